@@ -2,7 +2,7 @@
 
 ``make_tiny_run`` writes everything stage 04 reads, without a verifier:
 speculators-v1 shards (``eagle3.shards.write.write_sample``) + ``data_config.json``, ``vocab_map.pt``,
-``split.json``, 03's passing ``validation_record.json`` (:func:`mark_validated`) and
+``split.json``, 03's passing ``validation_record.json`` and data manifest (:func:`mark_validated`) and
 ``{train_dir}/target_head.safetensors``; the drafter shape is fully given in the
 YAML, so the verifier path is never opened.
 
@@ -42,13 +42,30 @@ def single_thread():
     torch.set_num_threads(n)
 
 
-def mark_validated(shards: Path, data: Path, stats: dict, freq: torch.Tensor) -> Path:
-    """Write 03's passing validation record for the shard set as it is now (what a passing 03 leaves; 04
-    refuses a set without one). ``stats``: ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``;
-    ``freq``: int64 ``[V]`` loss-token counts. Returns the record path."""
+def mark_validated(
+    shards: Path, data: Path, stats: dict, freq: torch.Tensor, draft_vocab: int | None = None
+) -> Path:
+    """Write 03's passing validation record for the shard set as it is now and the data folder's manifest for it
+    (what a passing 03 leaves; 04 refuses a set without them). ``stats``: ``num_samples``, ``num_tokens``,
+    ``num_loss_tokens``, ``max_len``; ``freq``: int64 ``[V]`` loss-token counts; ``draft_vocab``: the manifest's
+    ``draft_vocab_size`` (None: the one ``data`` records already; the other settings are the config defaults).
+    Returns the record path."""
+    from eagle3 import manifest
     from eagle3.data.validation_record import fingerprint_now, write_record
 
-    return write_record([shards, data], fingerprint_now(shards), stats, freq)
+    fp = fingerprint_now(shards)
+    settings = dict(val_fraction=0.05, seed=0, train_samples=None, exclude_id_prefixes=[])
+    if draft_vocab is None:
+        old = manifest.read(data, manifest.DataManifest)
+        settings, draft_vocab = old.model_dump(include=set(settings)), old.draft_vocab_size
+    made = manifest.DataManifest.make(
+        shards_dir=str(shards.resolve()),
+        shards_fingerprint=fp,
+        draft_vocab_size=draft_vocab,
+        **settings,
+    )
+    manifest.write(data, made)
+    return write_record([shards, data], fp, stats, freq)
 
 
 def make_tiny_run(
@@ -125,7 +142,7 @@ def make_tiny_run(
         },
     )
     data.mkdir(parents=True, exist_ok=True)
-    mark_validated(shards, data, stats, freq)
+    mark_validated(shards, data, stats, freq, draft_vocab)
     stride = vocab // draft_vocab
     target_ids = torch.arange(
         0, stride * draft_vocab, stride

@@ -16,7 +16,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3"
-BASE = {"__init__", "config", "cli", "errors", "io", "layers", "sdpa", "process_group"}
+BASE = {"__init__", "config", "cli", "errors", "io", "layers", "manifest", "sdpa", "process_group"}
+# the stage manifests are the contract between stages: they import only these eagle3 modules (and pydantic)
+MANIFEST_IMPORTS = {"eagle3.io", "eagle3.errors"}
 CONCEPTS = {
     "shards",  # shard codec: speculators-v1 sample files, fp8 storage, checksums, manifest log
     "engines",  # engine list, aux layer-id rules, per-engine context rule
@@ -152,6 +154,21 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if colour[m] == 0 and (c := visit(m)):
             return c
     return None
+
+
+def test_manifests_import_only_io_and_errors():
+    imported = import_graph()["eagle3.manifest"]
+    assert {m for m in imported if not m.startswith("eagle3.io.")} <= MANIFEST_IMPORTS, sorted(
+        imported
+    )
+    tree = ast.parse((PKG / "manifest.py").read_text())
+    others = {
+        (n.module or "").split(".")[0] if isinstance(n, ast.ImportFrom) else a.name.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in n.names
+    }
+    assert others <= {"eagle3", "pydantic", "__future__", "os", "pathlib", "typing"}, sorted(others)
 
 
 def test_no_import_cycle():

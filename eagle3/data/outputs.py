@@ -1,5 +1,5 @@
-"""Stage 03's outputs: ``token_freq.pt``, ``vocab_map.pt``, ``split.json``, ``data_report.json`` / ``.md`` and
-``coverage.png``, written as one set."""
+"""Stage 03's outputs: ``token_freq.pt``, ``vocab_map.pt``, ``split.json``, ``data_report.json`` / ``.md``,
+``coverage.png`` and the folder's manifest (:class:`eagle3.manifest.DataManifest`), written as one set."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 
 import torch
 
-from eagle3.data.settings import REPORT_JSON
+from eagle3 import manifest
 from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP, vocab_map_record
 from eagle3.io import atomic_write_files
 
+REPORT_JSON = "data_report.json"
 SPLIT = "split.json"
 REPORT_MD = "data_report.md"
 PLOT = "coverage.png"
@@ -55,12 +56,13 @@ def write_outputs(
     t2d: torch.Tensor,
     split: dict,
     report: dict,
+    made: manifest.DataManifest,
     cov: float,
     plot: bool,
 ) -> None:
-    """03's outputs in ``out`` as one set (:func:`eagle3.io.atomic_write_files`): written one by one, a full disk at
-    the report or the plot left the new vocab map and split beside the earlier run's report (whose ``settings`` 04
-    checks) or plot; now a failure replaces none of them. Without ``plot`` an earlier ``coverage.png`` is removed."""
+    """03's outputs and their manifest ``made`` in ``out`` as one set (:func:`eagle3.io.atomic_write_files`): a
+    failure replaces none of them, so the manifest 04 checks always describes the files beside it. Without ``plot``
+    an earlier ``coverage.png`` is removed."""
     files = [
         (out / TOKEN_FREQ, _torch_bytes(freq)),
         (out / VOCAB_MAP, _torch_bytes(vocab_map_record(d2t, t2d, str(out / VOCAB_MAP)))),
@@ -70,6 +72,7 @@ def write_outputs(
             (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
         ),
         (out / REPORT_MD, markdown(report).encode("utf-8")),
+        (out / manifest.FILE, manifest.encode(made)),
     ]
     if plot:
         files.append((out / PLOT, _coverage_png(freq, int(d2t.numel()), cov)))

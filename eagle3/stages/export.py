@@ -46,8 +46,6 @@ from eagle3.verifier.load import (
     load_verifier_config,
     verifier_context_length,
     verifier_dims,
-    weights_differ,
-    weights_fingerprint,
 )
 
 log = logging.getLogger(__name__)
@@ -340,8 +338,8 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
 
     Raises:
         UserError: ``<shards>/data_config.json: file not found, and <checkpoint> has no record of it ...``; the checks'
-            errors (:func:`eagle3.shards.checks.check_verifier`, :func:`_check_recorded_verifier`,
-            :func:`eagle3.shards.checks.check_extract_settings`).
+            errors (:func:`eagle3.shards.checks.check_verifier`,
+            :func:`eagle3.shards.checks.check_extract_settings`), against the file or the checkpoint's record.
     """
     file = cfg.shards_dir / DATA_CONFIG
     record = state.get(resume_checks.DATA_CONFIG_RECORD)
@@ -370,48 +368,12 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
         path.name,
         resume_checks.DATA_CONFIG_RECORD,
     )
-    _check_recorded_verifier(cfg, record, path)
-    check_extract_settings(cfg.extract, record, f"{cfg.shards_dir} (recorded in {path})")
+    where = f"{path} (key '{resume_checks.DATA_CONFIG_RECORD}')"
+    unchecked = check_verifier(cfg.verifier, record, where)  # as with the shards' own file
+    if unchecked:
+        log.warning("%s", unchecked)
+    check_extract_settings(cfg.extract, record, where)
     return dict(record)
-
-
-def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
-    """:func:`eagle3.shards.checks.check_verifier` against a checkpoint's ``data_config`` record (the shards are gone):
-    the config's verifier must be the one the shards were captured from, by name and, when both are known, by the
-    fingerprint of its weight files (``verifier_weights``: the exported ``config.json`` names that verifier). A
-    record without one beside weight files at ``verifier.path`` is one warning line saying the weights were not
-    compared; no weight file here is nothing to compare (as 03/04).
-
-    Raises:
-        UserError: ``<checkpoint>: key 'data_config.verifier' is 'a' but the config's verifier is 'b' ...``, or
-            ``verifier.path: '<path>' holds other weights than the model <checkpoint> was trained on ...``.
-    """
-    want = cfg.verifier.display_name()
-    if record.get("verifier") != want:
-        raise UserError(
-            f"{path}: key '{resume_checks.DATA_CONFIG_RECORD}.verifier' is {record.get('verifier')!r} (the shards it "
-            f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
-            f"the verifier this checkpoint was trained on"
-        )
-    recorded = record.get(resume_checks.VERIFIER_WEIGHTS)
-    now = weights_fingerprint(cfg.verifier)  # (1 MiB a weight file)
-    if (
-        now and not recorded
-    ):  # not compared: said (was silent); no weight file here: nothing to compare, as 03/04
-        log.warning(
-            "%s",
-            f"{path}: key '{resume_checks.DATA_CONFIG_RECORD}' records no {resume_checks.VERIFIER_WEIGHTS} (shards "
-            f"captured before 2026-12-05f): --export-only did not check the weights at verifier.path "
-            f"'{cfg.verifier.path}' against the model the checkpoint was trained on, only the name {want!r}; "
-            f"check that verifier.path is that model (the export's config.json names it)",
-        )
-    if weights_differ(recorded, now):
-        raise UserError(
-            f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
-            f"on (key '{resume_checks.DATA_CONFIG_RECORD}.{resume_checks.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
-            f"{str(now)[:19]}... at verifier.path; the name {want!r} is the same); set verifier.path back "
-            f"to that model"
-        )
 
 
 def _require_trained_inputs(

@@ -8,7 +8,9 @@ deterministic, so re-running it rewrites identical files):
 - ``vocab_map.pt``: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]``, sizes (``eagle3.data.vocab``);
 - ``split.json``: ``{"train": [idx...], "val": [idx...]}`` (seeded permutation, both sorted; ``eagle3.data.split``);
 - ``data_report.json`` + ``data_report.md`` (+ ``coverage.png``: coverage of loss-masked tokens
-  by the top-k target ids as a function of k, the chosen draft size marked).
+  by the top-k target ids as a function of k, the chosen draft size marked);
+- ``eagle3_manifest.json``: the ``data:`` settings and the shard set (path, fingerprint) they were made from
+  (:class:`eagle3.manifest.DataManifest`; 04 refuses a folder made under others).
 
 Validation (hash + load of every shard, :mod:`eagle3.data.validate`) is skipped when a validation record of an
 earlier 03 matches the shard set exactly (``eagle3.data.validation_record``; written to ``{shards_dir}`` when
@@ -23,10 +25,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3 import manifest
 from eagle3.cli import resume_on_interrupt
 from eagle3.config import RunConfig
 from eagle3.data.outputs import write_outputs
-from eagle3.data.settings import data_settings
 from eagle3.data.split import exclude_by_id, split_indices, subset_train
 from eagle3.data.validate import shard_stats
 from eagle3.data.validation_record import fingerprint_now, unfinished_record
@@ -153,12 +155,13 @@ def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> d
         "bytes_per_token": meta["bytes_per_token"],
         "storage_dtype": meta.get("storage_dtype", "bfloat16"),  # fp8: validated with their scales
         "validation": how,  # "full": every shard hashed + loaded now; "reused": a matching record
-        "settings": data_settings(
-            cfg.data
-        ),  # the data: fields these outputs were made under (04 checks)
-        "shards_fingerprint": fp,  # the shard set they were made from (04 checks it: eagle3.data.settings)
     }
-    write_outputs(out, freq, d2t, t2d, split, report, cov, plot)
+    made = manifest.DataManifest.make(
+        shards_dir=str(shards.resolve()),
+        shards_fingerprint=fp,
+        **{k: getattr(cfg.data, k) for k in manifest.DataManifest.SETTINGS},
+    )
+    write_outputs(out, freq, d2t, t2d, split, report, made, cov, plot)
     log.info(
         "draft vocab %d/%d covers %.2f%% of %d loss tokens; %d train / %d val",
         d2t.numel(),

@@ -34,11 +34,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from eagle3 import manifest
 from eagle3.cli import Terminated, resume_on_interrupt
 from eagle3.config import RunConfig, load_config
 from eagle3.data.dataset import read_split
-from eagle3.data.settings import data_settings, require_current
-from eagle3.data.validation_record import require_passed
+from eagle3.data.validation_record import record_fingerprint, require_passed
 from eagle3.data.vocab import load_run_vocab_map
 from eagle3.engines.layers import check_servable
 from eagle3.io import rerun_hint
@@ -261,12 +261,12 @@ def _read_data(cfg: RunConfig, d: Dist) -> tuple[dict, dict, dict]:
         cfg.data_dir, cfg.data.draft_vocab_size, int(data_config["vocab_size"])
     )
     split = read_split(cfg.data_dir)
-    require_current(
-        cfg.data_dir,
-        cfg.shards_dir,
-        data_settings(cfg.data),
-        require_passed(cfg.shards_dir, cfg.data_dir),
-    )
+    now = record_fingerprint(require_passed(cfg.shards_dir, cfg.data_dir))
+    made = manifest.read(cfg.data_dir, manifest.DataManifest)
+    needed = {k: getattr(cfg.data, k) for k in made.SETTINGS}
+    if made.shards_fingerprint != now:  # another folder's shards, or these re-extracted since
+        needed |= {"shards_dir": str(cfg.shards_dir.resolve()), "shards_fingerprint": now}
+    manifest.require(made, needed, made.STAGE)
     return data_config, vocab, split
 
 

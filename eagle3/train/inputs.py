@@ -104,9 +104,7 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
         )
     hf = load_verifier_config(s.verifier)
     dims = verifier_dims(hf)
-    check_verifier_dims(
-        s.verifier, dims, data_config, s.shards_dir
-    )  # before a drafter field's symptom
+    check_verifier_dims(dims, data_config, s.shards_dir)  # before a drafter field's symptom
     over = {**given, "head_dim": _head_dim(given, dims)}
     if mla_given is not None:  # MLA sizes: drafter.mla over the verifier's (eagle3/drafter/mla.py)
         heads = given["num_attention_heads"] or dims["num_attention_heads"]

@@ -116,7 +116,8 @@ def test_prepare_data_hand_computed(tmp_path):
 def test_a_full_disk_at_the_report_keeps_the_earlier_outputs_whole(tmp_path, monkeypatch):
     """03 wrote token_freq.pt, vocab_map.pt, split.json, then the report and the plot, each atomically: a disk that
     filled at data_report.json left the new draft-size vocab map and split beside the earlier run's report (trial
-    2026-12-05g). They are now one set: the failed run replaces none of them; --no-plot removes an earlier plot."""
+    2026-12-05g). They are now one set with the folder's manifest: the failed run replaces none of them; --no-plot
+    removes an earlier plot."""
     import errno
     import os
 
@@ -149,6 +150,7 @@ def test_a_full_disk_at_the_report_keeps_the_earlier_outputs_whole(tmp_path, mon
     assert sorted(p.name for p in out.iterdir()) == [
         "data_report.json",
         "data_report.md",
+        "eagle3_manifest.json",
         "split.json",
         "token_freq.pt",
         "vocab_map.pt",
@@ -178,7 +180,8 @@ def test_verifier_mismatch_refused(tmp_path):
     _make_shards(cfg.shards_dir, verifier="another-model")
     with pytest.raises(
         UserError,
-        match="data_config.json: key 'verifier' is 'another-model' but the config's verifier is 'tiny'",
+        match=r"data_config.json: verifier \(verifier.name / verifier.path\) 'another-model' -> 'tiny'; "
+        r"re-run 02_extract_hidden.py$",
     ):
         run(cfg)
 
@@ -199,7 +202,7 @@ def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(
     _make_shards(cfg.shards_dir)
     dc = cfg.shards_dir / "data_config.json"
     want = (
-        f"{dc}: records no verifier_weights (shards captured before 2026-12-05f): the weights at verifier.path "
+        f"{dc}: records no verifier_weights: the weights at verifier.path "
         f"'{tiny_llama_dir}' were not checked against the model the shards were captured from, only the name "
         f"'tiny'; a verifier.path pointed at another model of the same shapes would train against its lm_head "
         f"without an error: check that it is the model 02 captured from, or re-run 02 to record its fingerprint"
@@ -433,25 +436,15 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
 @pytest.mark.parametrize(
     "over, msg",
     [
-        (
-            ["extract.aux_layers=[2, 3, 4]"],
-            "extract.aux_layers [2, 3, 4] but the shards in {s} were captured with [1, 3, 4]: "
-            "re-run 02 or set extract.aux_layers to the shards' value",
-        ),
-        (
-            ["extract.max_length=32"],
-            "extract.max_length 32 but the shards in {s} were captured with 16: re-run 02 or set "
-            "extract.max_length to the shards' value",
-        ),
+        (["extract.aux_layers=[2, 3, 4]"], "extract.aux_layers [1, 3, 4] -> [2, 3, 4]"),
+        (["extract.max_length=32"], "extract.max_length 16 -> 32"),
         (
             ["extract.aux_layers=null"],
-            "extract.aux_layers null (the EAGLE default [2, 15, 27]) but the shards in {s} were "
-            "captured with [1, 3, 4]: re-run 02 or set extract.aux_layers to the shards' value",
-        ),
-        (
-            ["extract.aux_layers=[2, 3, 4]", "extract.max_length=32"],  # both named at once
-            "extract.aux_layers [2, 3, 4]; extract.max_length 32 but the shards in {s} were captured with aux_layers [1, 3, 4]; "
-            "max_length 16: re-run 02 or set extract.aux_layers and extract.max_length to the shards' values",
+            "extract.aux_layers [1, 3, 4] -> [2, 15, 27]",
+        ),  # EAGLE default
+        (  # the first differing field is named
+            ["extract.aux_layers=[2, 3, 4]", "extract.max_length=32"],
+            "extract.aux_layers [1, 3, 4] -> [2, 3, 4]",
         ),
     ],
 )
@@ -460,7 +453,9 @@ def test_extract_settings_other_than_the_shards_refused(tmp_path, over, msg):
     _make_shards(cfg.shards_dir, num_layers=30)
     with pytest.raises(UserError) as e:
         run(cfg)
-    assert str(e.value) == msg.format(s=cfg.shards_dir)
+    assert (
+        str(e.value) == f"{cfg.shards_dir / 'data_config.json'}: {msg}; re-run 02_extract_hidden.py"
+    )
     assert not cfg.data_dir.exists()  # nothing written
 
 

@@ -18,9 +18,9 @@ import torch
 from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fixture)
 
 import eagle3.data.validation_record as vr
+from eagle3 import manifest
 from eagle3.config import load_config
 from eagle3.data import validate
-from eagle3.data.settings import data_settings  # noqa: E402
 from eagle3.data.validation_record import VALIDATION_RECORD, require_passed
 from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
@@ -239,39 +239,39 @@ def require_passed_fp(shards: Path, data: Path, fp: str, monkeypatch) -> Path:
 
 
 def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
-    """03's outputs record the data: settings they were made under (data_report.json 'settings'); 04 refuses them
-    when the config now says otherwise (e.g. data.exclude_id_prefixes set after 03, or an 03 that then failed and left
-    the earlier split), naming every field, and trains once 03 has run again."""
-    from eagle3.data.settings import require_current
+    """03's outputs record the data: settings they were made under (its eagle3_manifest.json); 04 refuses them when
+    the config now says otherwise (e.g. data.exclude_id_prefixes set after 03, or an 03 that then failed and left
+    the earlier split), naming the first differing field with both values, and trains once 03 has run again. A data
+    folder without a manifest (made before manifests) is refused, naming 03."""
     from eagle3.stages.train import run as train
 
     path = make_tiny_run(tmp_path, train=TRAIN)
     sets = _as_02_wrote(tmp_path)
     cfg = load_config(path, sets)
-    rep = prepare_data.run(cfg, plot=False)
-    assert rep["settings"] == {
+    prepare_data.run(cfg, plot=False)
+    made = manifest.read(cfg.data_dir, manifest.DataManifest)
+    assert made.model_dump(include=set(made.SETTINGS)) == {
         "draft_vocab_size": 24,
         "val_fraction": cfg.data.val_fraction,
         "seed": 0,
         "train_samples": None,
         "exclude_id_prefixes": [],
     }
-    require_current(
-        cfg.data_dir, cfg.shards_dir, data_settings(cfg.data)
-    )  # the config 03 ran under: nothing to say
+    assert made.shards_dir == str(cfg.shards_dir.resolve())
+    assert made.shards_fingerprint == vr.fingerprint_now(cfg.shards_dir)
     changed = load_config(path, sets + ["data.exclude_id_prefixes=[p1]", "data.seed=3"])
     assert _train_refused(changed) == (
-        f"{cfg.data_dir}: 03's vocab map and split were made under other data settings (data.seed 0 there, 3 in the "
-        f"config; data.exclude_id_prefixes [] there, ['p1'] in the config, data_report.json); run 03_prepare_data.py "
-        f"again"
+        f"{cfg.data_dir / manifest.FILE}: data.seed 0 -> 3; re-run 03_prepare_data.py"
     )
     prepare_data.run(changed, plot=False)
     assert train(changed, device="cpu")["step"] >= 1
-    # a report from before the settings were recorded is not compared
-    old = json.loads((cfg.data_dir / "data_report.json").read_text())
-    del old["settings"]
-    (cfg.data_dir / "data_report.json").write_text(json.dumps(old))
-    require_current(cfg.data_dir, cfg.shards_dir, data_settings(cfg.data))
+    (cfg.data_dir / manifest.FILE).unlink()  # a data folder from before the manifest
+    with pytest.raises(UserError) as e:
+        train(changed, device="cpu", resume=True)
+    assert str(e.value) == (
+        f"{cfg.data_dir}: no {manifest.FILE} (not made by this version of 03_prepare_data.py); "
+        f"re-run 03_prepare_data.py"
+    )
 
 
 def _train_refused(cfg) -> str:
@@ -285,7 +285,7 @@ def _train_refused(cfg) -> str:
 
 
 def test_04_refuses_a_split_made_from_other_shards(tmp_path):
-    """03's data folder is tied to the shard set it read (data_report.json 'shards_fingerprint'): 04 run with
+    """03's data folder is tied to the shard set it read (its manifest's 'shards_fingerprint'): 04 run with
     extract.output_dir pointing at another run's shards but the data folder of the first (same sample count, so every
     split index exists) trained silently on a vocab map and split of other data (fresh-user trial 2026-12-05d); now it
     is one line naming both shard folders, and a data folder made from the shards as they were before a re-extraction
@@ -303,9 +303,8 @@ def test_04_refuses_a_split_made_from_other_shards(tmp_path):
     prepare_data.run(load_config(b_path, sets), plot=False)  # B's shards pass 03 (their own record)
     mixed = load_config(a_path, sets + [f"extract.output_dir={tmp_path / 'b' / 'shards'}"])
     assert _train_refused(mixed) == (
-        f"{a.data_dir}: 03's vocab map and split were made from the shards in {a.shards_dir}, not from "
-        f"{mixed.shards_dir} (extract.output_dir; data_report.json); run 03_prepare_data.py for these shards (with a "
-        f"data.output_dir of their own to keep both)"
+        f"{a.data_dir / manifest.FILE}: extract.output_dir '{a.shards_dir.resolve()}' -> "
+        f"'{mixed.shards_dir.resolve()}'; re-run 03_prepare_data.py"
     )
     # the same folder re-extracted (here: B's shards copied over A's) and validated by 03 into another data folder
     shutil.rmtree(tmp_path / "a" / "shards")
@@ -314,7 +313,8 @@ def test_04_refuses_a_split_made_from_other_shards(tmp_path):
         load_config(a_path, sets + [f"data.output_dir={tmp_path / 'other'}"]), plot=False
     )
     with pytest.raises(
-        UserError, match=r"made from an earlier shard set in .*re-extracted or changed since"
+        UserError,
+        match=r"the shard set's fingerprint \(re-extracted or changed since\) '[0-9a-f]+' -> ",
     ):
         train(a, device="cpu")
     prepare_data.run(a, plot=False)  # 03 again: trains

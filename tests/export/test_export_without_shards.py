@@ -91,16 +91,16 @@ def test_export_only_works_after_the_shards_are_deleted(tmp_path, caplog):
     other = load_config(tmp_path / "r" / "run.yaml", ["verifier.name=other"])
     with pytest.raises(
         UserError,
-        match=rf"^{path}: key 'data_config.verifier' is 'synthetic' \(the shards it was "
-        r"trained on\) but the config's verifier is 'other'",
+        match=rf"^{path} \(key 'data_config'\): verifier \(verifier.name / verifier.path\) 'synthetic' "
+        r"-> 'other'; re-run 02_extract_hidden.py$",
     ):
         export_from_checkpoint(other)
     aux = load_config(tmp_path / "r" / "run.yaml", ["extract.aux_layers=[2, 3, 4]"])
     with pytest.raises(UserError) as e:
         export_from_checkpoint(aux)
     assert str(e.value) == (
-        f"extract.aux_layers [2, 3, 4] but the shards in {cfg.shards_dir} (recorded in {path}) "
-        f"were captured with [1, 3, 4]: re-run 02 or set extract.aux_layers to the shards' value"
+        f"{path} (key 'data_config'): extract.aux_layers [1, 3, 4] -> [2, 3, 4]; "
+        f"re-run 02_extract_hidden.py"
     )
 
 
@@ -198,7 +198,8 @@ def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fing
     with caplog.at_level(logging.WARNING, logger="eagle3.stages.export"):
         assert export_from_checkpoint(cfg).is_dir()
     assert [m for m in caplog.messages if "verifier_weights" in m] == [
-        f"{path}: key 'data_config' records no verifier_weights (shards captured before 2026-12-05f): --export-only did "
-        f"not check the weights at verifier.path '{cfg.verifier.path}' against the model the checkpoint was trained "
-        f"on, only the name 'synthetic'; check that verifier.path is that model (the export's config.json names it)"
+        f"{path} (key 'data_config'): records no verifier_weights: the weights at verifier.path "
+        f"'{cfg.verifier.path}' were not checked against the model the shards were captured from, only the name "
+        f"'synthetic'; a verifier.path pointed at another model of the same shapes would train against its lm_head "
+        f"without an error: check that it is the model 02 captured from, or re-run 02 to record its fingerprint"
     ]

@@ -253,10 +253,8 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
         assert weights_fingerprint(cfg.verifier.model_copy(update={"path": str(absent)})) is None
     _p, cfg = _train_cfg(prepared, kind, other, kind == "online", tmp_path / "b")
     want = (
-        f"verifier.path: '{other}' holds other weights than the model the shards in {cfg.shards_dir} were captured "
-        f"from (data_config.json: key 'verifier_weights'; the name 'tiny-llama' is the same): its lm_head would "
-        f"score another model's hidden states; set verifier.path back to that model, or re-run 02 for this one "
-        f"(with a verifier.name of its own)"
+        f"{cfg.shards_dir / 'data_config.json'}: the weights at verifier.path {meta['verifier_weights']!r} -> "
+        f"{weights_fingerprint(cfg.verifier)!r}; re-run 02_extract_hidden.py"
     )
     with pytest.raises(UserError) as e:
         run(cfg, device="cpu")

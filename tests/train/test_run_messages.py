@@ -180,8 +180,9 @@ def test_resume_log_line_names_the_position(
 def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path):
     """verifier.path pointed at another model under the shards' verifier.name (a copied config with only the path
     edited): 04 and --export-only said `drafter.hidden_size: 576 differs from the verifier hidden size 64` / named
-    drafter fields the user never set (fresh-user trial 2026-12-05d); now one line names verifier.path, the shards'
-    verifier and each differing dimension. 05 says the same of an export (verifier_warnings)."""
+    drafter fields the user never set (fresh-user trial 2026-12-05d); now one line names the shards' data_config.json,
+    the first differing dimension at verifier.path (recorded -> now) and 02. 05 says the same of an export
+    (verifier_warnings)."""
     from transformers import LlamaConfig
 
     from eagle3.data.vocab import load_run_vocab_map
@@ -223,10 +224,8 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
     )
     other = load_config(path, null + [f"verifier.path={tmp_path / 'other'}"])
     want = (
-        f"verifier.path: '{tmp_path / 'other'}' is another model than the shards in {other.shards_dir} were "
-        f"captured from ('synthetic', data_config.json: num_layers 6 recorded, 30 at verifier.path; hidden_size 16 "
-        f"recorded, 64 at verifier.path); set verifier.path back to that model, or re-run 02 for this one (with a "
-        f"verifier.name of its own)"
+        f"{other.shards_dir / 'data_config.json'}: num_layers at verifier.path 6 -> 30; "
+        f"re-run 02_extract_hidden.py"
     )
     with pytest.raises(UserError) as e:
         run(other, device="cpu")

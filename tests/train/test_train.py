@@ -869,14 +869,13 @@ def test_extract_settings_other_than_the_shards_refused_before_anything_is_writt
     for over, msg in (
         (
             ["extract.aux_layers=[1, 3, 4]"],
-            "extract.aux_layers [1, 3, 4] but the shards in "
-            f"{cfg.shards_dir} were captured with [2, 3, 4]: re-run 02 or set extract.aux_layers to the "
-            "shards' value",
+            f"{cfg.shards_dir / 'data_config.json'}: extract.aux_layers [2, 3, 4] -> [1, 3, 4]; "
+            "re-run 02_extract_hidden.py",
         ),
         (
             ["extract.max_length=64"],
-            f"extract.max_length 64 but the shards in {cfg.shards_dir} were "
-            "captured with 16: re-run 02 or set extract.max_length to the shards' value",
+            f"{cfg.shards_dir / 'data_config.json'}: extract.max_length 16 -> 64; "
+            "re-run 02_extract_hidden.py",
         ),
     ):
         with pytest.raises(UserError) as e:
@@ -895,7 +894,9 @@ def test_extract_settings_other_than_the_shards_refused_before_anything_is_writt
 
     with pytest.raises(UserError) as e:
         export_from_checkpoint(load_config(path, ["extract.aux_layers=[1, 3, 4]"]))
-    assert str(e.value).startswith("extract.aux_layers [1, 3, 4] but the shards in ")
+    assert str(e.value).endswith(
+        ": extract.aux_layers [2, 3, 4] -> [1, 3, 4]; re-run 02_extract_hidden.py"
+    )
     assert not load_config(path).export_dir.exists()
 
 
@@ -910,8 +911,8 @@ def test_another_verifier_than_the_shards_is_named_first(tmp_path):
         path, ["verifier.name=org/other-model", "drafter.hidden_size=32", "drafter.head_dim=8"]
     )
     want = (
-        f"{cfg.shards_dir / 'data_config.json'}: key 'verifier' is 'synthetic' but the config's verifier is "
-        f"'org/other-model' (verifier.name / verifier.path); re-run 02 for this verifier"
+        f"{cfg.shards_dir / 'data_config.json'}: verifier (verifier.name / verifier.path) 'synthetic' -> "
+        f"'org/other-model'; re-run 02_extract_hidden.py"
     )
     with pytest.raises(UserError) as e:
         run(cfg, device="cpu")

@@ -1,0 +1,166 @@
+"""Stage manifests: the one contract between a stage's output folder and the stages that read it.
+
+A stage writes ``{folder}/eagle3_manifest.json`` (:func:`write`, atomic) last, once its outputs are in place: a
+:class:`Manifest` subclass naming the stage that wrote it (``written_by``, ``version``), the settings its outputs
+were made under and the fingerprints of its inputs. A reader loads it with :func:`read` and compares what it needs
+with :func:`require`. Every refusal is one line: the file, the field (its ``title``: the config key it comes from),
+``old -> new`` and the stage to re-run. A folder without a manifest, or with one of another version, is refused the
+same way: its stage is re-run (no reading of older layouts).
+
+Imports only :mod:`eagle3.io`, :mod:`eagle3.errors` and pydantic (``tests/test_layout.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Optional, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_bytes, read_json
+
+FILE = "eagle3_manifest.json"
+
+M = TypeVar("M", bound="Manifest")
+
+
+class Manifest(BaseModel):
+    """A stage output folder's manifest. Subclasses set :attr:`STAGE` (the script that writes the folder) and
+    :attr:`VERSION` (raised when a field's meaning changes: older manifests are then refused, their stage re-run)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    STAGE: ClassVar[str]
+    VERSION: ClassVar[int] = 1
+
+    written_by: str
+    version: int
+    _path: Optional[Path] = PrivateAttr(default=None)
+
+    @classmethod
+    def make(cls: type[M], **fields: Any) -> M:
+        """The manifest of this stage and version with ``fields``."""
+        return cls(written_by=cls.STAGE, version=cls.VERSION, **fields)
+
+    @property
+    def where(self) -> str:
+        """The file it was read from (for messages), or the stage's manifest when built in memory."""
+        return str(self._path) if self._path is not None else f"{self.STAGE}'s {FILE}"
+
+
+class DataManifest(Manifest):
+    """Stage 03's data folder (``vocab_map.pt``, ``split.json``, ``token_freq.pt``): the ``data:`` settings they were
+    made under and the shard set they were made from (04 trains only on a current set)."""
+
+    STAGE: ClassVar[str] = "03_prepare_data.py"
+
+    shards_dir: str = Field(title="extract.output_dir")  # resolved
+    shards_fingerprint: str = Field(
+        title="the shard set's fingerprint (re-extracted or changed since)"
+    )
+    draft_vocab_size: int = Field(title="data.draft_vocab_size")
+    val_fraction: float = Field(title="data.val_fraction")
+    seed: int = Field(title="data.seed")
+    train_samples: Optional[int] = Field(title="data.train_samples")
+    exclude_id_prefixes: list[str] = Field(title="data.exclude_id_prefixes")
+
+    SETTINGS: ClassVar[tuple[str, ...]] = (
+        "draft_vocab_size",
+        "val_fraction",
+        "seed",
+        "train_samples",
+        "exclude_id_prefixes",
+    )
+
+
+class ShardsManifest(Manifest):
+    """Stage 02's shards folder: the verifier and capture settings its hidden states were made under. Its file is the
+    shard codec's ``data_config.json`` (:mod:`eagle3.shards.data_config`, also copied into 04's checkpoints), read
+    as this model by :meth:`of_record`; a key an older record lacks is None and not compared."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    STAGE: ClassVar[str] = "02_extract_hidden.py"
+
+    verifier: str = Field(title="verifier (verifier.name / verifier.path)")
+    verifier_weights: Optional[str] = Field(None, title="the weights at verifier.path")
+    num_layers: Optional[int] = Field(None, title="num_layers at verifier.path")
+    hidden_size: Optional[int] = Field(None, title="hidden_size at verifier.path")
+    vocab_size: Optional[int] = Field(None, title="vocab_size at verifier.path")
+    aux_layers: Optional[list[int]] = Field(None, title="extract.aux_layers")
+    max_length: Optional[int] = Field(None, title="extract.max_length")
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any], where: str | os.PathLike) -> ShardsManifest:
+        """02's record (``data_config.json`` as read, or a checkpoint's copy) as a manifest; ``where`` names it."""
+        try:
+            found = cls.make(
+                **{k: v for k, v in record.items() if k not in ("written_by", "version")}
+            )
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise UserError(
+                f"{where}: key {'.'.join(map(str, err['loc']))!r}: {err['msg']}; re-run {cls.STAGE}"
+            ) from None
+        found._path = Path(where)
+        return found
+
+
+def encode(manifest: Manifest) -> bytes:
+    """The file's bytes (UTF-8 JSON), for a stage that writes its outputs and manifest as one set
+    (:func:`eagle3.io.atomic_write_files`)."""
+    return (manifest.model_dump_json(indent=2) + "\n").encode("utf-8")
+
+
+def write(folder: str | os.PathLike, manifest: Manifest) -> Path:
+    """``manifest`` to ``{folder}/eagle3_manifest.json`` atomically (:func:`eagle3.io.atomic_write_bytes`); returns
+    the path. Write it after the outputs it describes, so a folder with a manifest is a finished one."""
+    path = Path(folder) / FILE
+    atomic_write_bytes(path, encode(manifest))
+    return path
+
+
+def read(folder: str | os.PathLike, model: type[M]) -> M:
+    """``{folder}/eagle3_manifest.json`` as ``model``.
+
+    Raises:
+        UserError: one line naming the file and ``model.STAGE`` to re-run: no manifest (a folder made before
+            manifests, by hand, or by a stage that stopped), another stage's or version's manifest, or a field
+            missing / of the wrong type (named).
+    """
+    path = Path(folder) / FILE
+    rerun = f"re-run {model.STAGE}"
+    if not path.is_file():
+        raise UserError(f"{folder}: no {FILE} (not made by this version of {model.STAGE}); {rerun}")
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: not a JSON object; {rerun}")
+    made = (raw.get("written_by"), raw.get("version"))
+    if made != (model.STAGE, model.VERSION):
+        raise UserError(
+            f"{path}: written by {made[0]} version {made[1]}, this code reads {model.STAGE} version "
+            f"{model.VERSION}; {rerun}"
+        )
+    try:
+        found = model.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise UserError(f"{path}: field {field!r}: {err['msg']}; {rerun}") from None
+    found._path = path
+    return found
+
+
+def require(found: Manifest, needed: Mapping[str, Any], stage_to_rerun: str) -> None:
+    """Stop at the first field of ``needed`` (``{field: value now}``, in its order) whose recorded value differs.
+
+    Raises:
+        UserError: ``<file>: <field title> <recorded> -> <now>; re-run <stage_to_rerun>``.
+    """
+    fields = type(found).model_fields
+    for name, now in needed.items():
+        old = getattr(found, name)
+        if old != now:
+            label = fields[name].title or name
+            raise UserError(f"{found.where}: {label} {old!r} -> {now!r}; re-run {stage_to_rerun}")

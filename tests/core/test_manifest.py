@@ -1,0 +1,89 @@
+"""eagle3.manifest: atomic write / read round trip, the one-line refusals of read() and require()."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3 import manifest
+from eagle3.errors import UserError
+from eagle3.manifest import FILE, DataManifest, ShardsManifest
+
+
+def _data(**over) -> DataManifest:
+    fields = dict(
+        shards_dir="/runs/a/shards",
+        shards_fingerprint="ab" * 32,
+        draft_vocab_size=24,
+        val_fraction=0.05,
+        seed=0,
+        train_samples=None,
+        exclude_id_prefixes=[],
+    )
+    return DataManifest.make(**{**fields, **over})
+
+
+def test_write_read_round_trip(tmp_path):
+    m = _data(exclude_id_prefixes=["p1"], train_samples=5)
+    path = manifest.write(tmp_path, m)
+    assert path == tmp_path / FILE
+    assert json.loads(path.read_text())["written_by"] == "03_prepare_data.py"
+    back = manifest.read(tmp_path, DataManifest)
+    assert back.model_dump() == m.model_dump() and back.where == str(path)
+    assert not list(tmp_path.glob("*.tmp-*"))  # atomic: no temporary file left
+
+
+def test_read_refuses_a_missing_old_or_corrupt_manifest(tmp_path):
+    with pytest.raises(UserError) as e:
+        manifest.read(tmp_path, DataManifest)
+    assert str(e.value) == (
+        f"{tmp_path}: no {FILE} (not made by this version of 03_prepare_data.py); "
+        f"re-run 03_prepare_data.py"
+    )
+    raw = json.loads(_data().model_dump_json())
+    (tmp_path / FILE).write_text(json.dumps({**raw, "version": 0}))
+    with pytest.raises(UserError) as e:
+        manifest.read(tmp_path, DataManifest)
+    assert str(e.value) == (
+        f"{tmp_path / FILE}: written by 03_prepare_data.py version 0, this code reads 03_prepare_data.py "
+        f"version 1; re-run 03_prepare_data.py"
+    )
+    (tmp_path / FILE).write_text(json.dumps({**raw, "seed": "x"}))
+    with pytest.raises(
+        UserError, match=r"field 'seed': Input should be a valid integer.*; re-run 03"
+    ):
+        manifest.read(tmp_path, DataManifest)
+    (tmp_path / FILE).write_text("{")
+    with pytest.raises(UserError, match=FILE):
+        manifest.read(tmp_path, DataManifest)
+
+
+def test_require_names_the_first_differing_field_old_and_new(tmp_path):
+    manifest.write(tmp_path, _data())
+    found = manifest.read(tmp_path, DataManifest)
+    manifest.require(found, {"seed": 0, "draft_vocab_size": 24}, "03_prepare_data.py")
+    with pytest.raises(UserError) as e:
+        manifest.require(
+            found, {"draft_vocab_size": 24, "seed": 3, "train_samples": 7}, "03_prepare_data.py"
+        )
+    assert str(e.value) == (f"{tmp_path / FILE}: data.seed 0 -> 3; re-run 03_prepare_data.py")
+    with pytest.raises(UserError, match=r"^03_prepare_data.py's eagle3_manifest.json: data.ex"):
+        manifest.require(_data(), {"exclude_id_prefixes": ["p"]}, "03_prepare_data.py")
+
+
+def test_shards_manifest_of_a_data_config_record(tmp_path):
+    """02's data_config.json read as ShardsManifest: other keys ignored, absent ones None, a bad type one line."""
+    where = tmp_path / "data_config.json"
+    found = ShardsManifest.of_record({"verifier": "m", "aux_layers": [1, 2], "format": "x"}, where)
+    assert (found.verifier, found.aux_layers, found.max_length) == ("m", [1, 2], None)
+    manifest.require(found, {"aux_layers": [1, 2]}, found.STAGE)
+    with pytest.raises(UserError) as e:
+        manifest.require(found, {"verifier": "n"}, found.STAGE)
+    assert str(e.value) == (
+        f"{where}: verifier (verifier.name / verifier.path) 'm' -> 'n'; re-run 02_extract_hidden.py"
+    )
+    with pytest.raises(
+        UserError, match=r"data_config.json: key 'verifier': Field required; re-run 02"
+    ):
+        ShardsManifest.of_record({"aux_layers": [1]}, where)
