@@ -83,5 +83,7 @@ def test_tiny_pipeline_mla_end_to_end(tiny_llama_dir, tmp_path):
     _run("05_benchmark.py", ov, env)
     bench = json.loads((out / "bench" / "bench.json").read_text())
     for d in bench["datasets"]:
-        assert d.get("failures", len(d["mismatches"])) == 0, d  # the verdict bench.md prints as "lossless"
+        assert d.get("failures", len(d["mismatches"])) == 0, (
+            d
+        )  # the verdict bench.md prints as "lossless"
         assert d["tau"] >= 1.0 + TAU_MARGIN, d
