@@ -222,3 +222,21 @@ def test_llama_verifier_needs_the_mla_sizes_set():
         f["mla"]["q_lora_rank"] is None and f["mla"]["rope_interleave"] is True
     )  # plain q_proj, DeepSeek layout
     assert (f["num_key_value_heads"], f["head_dim"]) == (4, 12) and "rope_scaling" not in f
+
+
+def test_mla_static_cache_decode_equals_batched_cache_decode():
+    """The batch-1 static decoder's cache (value head dim != key head dim) gives the batched cache's outputs."""
+    from eagle3.drafter.caches import StaticKVCache
+
+    torch.manual_seed(2)
+    d = Eagle3Drafter(_args(rope_scaling=YARN), embed_weight=torch.randn(80, H)).eval()
+    ids, aux = torch.randint(0, 80, (1, 10)), torch.randn(1, 10, 3 * H)
+    pos = torch.arange(10)[None]
+    with torch.no_grad():
+        h = d.project(aux)
+        want = d.decode(ids, h, pos, DrafterCache())
+        cache = StaticKVCache(16, 1)
+        got = d.decode_static(ids[:, :6], h[:, :6], pos[:, :6], cache)
+        got = torch.cat([got, d.decode_static(ids[:, 6:], h[:, 6:], pos[:, 6:], cache)], dim=1)
+    assert cache.k[0].shape == (1, HEADS, 16, 20) and cache.v[0].shape == (1, HEADS, 16, 10)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
