@@ -33,6 +33,13 @@ attn_i(input_layernorm_i(h_{i-1}))`` (q/k/v ``H`` wide; no embedding). The engin
 ``StaticKVCache`` layer ``l``). SGLang calls ``input_layernorm_i`` ``layers.i.hidden_norm``, vLLM
 ``layers.i.input_layernorm``: the export writes it under both names (:mod:`eagle3.export.common`).
 
+Attention (:data:`ATTENTIONS`, ``DrafterArgs.attention``, config ``drafter.attention``): ``llama`` = the GQA
+``q/k/v/o_proj`` above (:class:`Eagle3Attention`); ``mla`` = DeepSeek-V3 multi-head latent attention
+(:class:`Eagle3MLAAttention`, sizes in ``DrafterArgs.mla``) in the same layer, as SGLang 0.5.23
+``kimi_k25_eagle3.py`` and vLLM 0.34 ``deepseek_eagle3.py`` build it (norms, concatenation, residuals and MLP as
+above; one decoder layer). Its keys/values are per head after the up-projection, so TTT and the caches take them
+unchanged, with value head dim ``v_head_dim``.
+
 Parameter names equal the SGLang / SpecForge checkpoint keys (FIELD-NOTES section 4), so for one layer
 ``state_dict()`` minus ``embed_tokens.weight`` is the SGLang export (a deeper drafter adds ``layers.{i}.*`` and the
 export adds ``layers.{i}.hidden_norm.weight``, a copy of ``layers.{i}.input_layernorm.weight``).
@@ -92,6 +99,10 @@ class DrafterArgs:
     written before it existed, which are ``eagle3``.
     ``num_layers``: decoder layers (module docstring, "Depth"); :meth:`to_json` leaves it out when 1, so the
     one-layer drafter's checkpoints, exports and fingerprints are what they were before it existed.
+    ``attention``: one of :data:`ATTENTIONS`; ``mla``: for ``mla`` the sizes (:data:`MLA_FIELDS`), else None. For an
+    MLA drafter ``num_key_value_heads`` = heads and ``head_dim`` = ``qk_nope_head_dim + qk_rope_head_dim``
+    (:func:`eagle3.drafter.mla.mla_shape_fields`); ``rope_scaling`` may be YaRN. :meth:`to_json` leaves both out for
+    ``llama``.
     """
 
     hidden_size: int
@@ -358,6 +369,7 @@ class Eagle3MLAAttention(nn.Module):
         self.dn, self.dr, self.dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
         self.kv_rank = m["kv_lora_rank"]
         self.interleave = m["rope_interleave"]
+        self.q_lora = m["q_lora_rank"]
         D, qk = in_mult * a.hidden_size, self.dn + self.dr
         if m["q_lora_rank"] is None:
             self.q_proj = nn.Linear(D, self.nh * qk, bias=False)
@@ -384,7 +396,7 @@ class Eagle3MLAAttention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x`` ``[B, T, in_mult * H]``, cos/sin ``[B, 1, T, dr]`` -> q, k ``[B, nh, T, dn+dr]``, v ``[B, nh, T, dv]``."""
         B, T, _ = x.shape
-        if hasattr(self, "q_proj"):
+        if self.q_lora is None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

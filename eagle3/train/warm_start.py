@@ -194,6 +194,12 @@ def check_init_from(init_from: Optional[str], drafter: dict, config_keys: Collec
         return False
     exported = exported_drafter_args(init_from)
     if exported is not None:
+        if (
+            drafter.get("attention") == "mla"
+        ):  # MLA derives these two from its sizes (eagle3/drafter/mla.py)
+            drafter = {
+                k: v for k, v in drafter.items() if k not in ("num_key_value_heads", "head_dim")
+            }
         check_shape_fields(init_from, exported, drafter, config_keys)
     return True
 
