@@ -1,20 +1,11 @@
-"""Answers of an earlier regeneration reused by stage 01 (``prompts.reuse_answers``).
+"""Answers of an earlier regeneration reused by stage 01 (``prompts.reuse_answers``, needs ``prompts.regenerate``).
 
-Growing a regenerated data set (the data curve 17K -> 50K -> 100K, a new source such as ``01 --self-instruct``) used
-to mean regenerating every conversation again, since any change of ``prompts.source`` changes 01's settings. With
-``prompts.reuse_answers: <an earlier prompts.jsonl[.gz]>`` a conversation whose non-answer content equals one in
-that file takes that file's regenerated conversation (with this run's id for it), and only the others are
-regenerated; the output order is 01's as always. It needs ``prompts.regenerate: true`` (a config error otherwise).
-
-Two conversations match when their messages are equal without the assistant answers (an assistant message with
-``tool_calls`` kept as its role and calls: the answer text is what regeneration replaces, and a prompt-only input
-gets its answer appended), and their ``tools`` are equal. The earlier file's
-``prompts_report.json`` (beside it) must record the same regeneration settings (:data:`REGEN_KEYS` of 01's
-settings: verifier, dtype and weights (``verifier_weights``, in-process), answer budget, context cap, chat template and its arguments, reply start, think tags,
-the endpoint sampling), else 01 refuses in one line naming the first differing key: its answers would not be what
-this run produces. A conversation the context cap shortened in the earlier file does not match its full input and
-is regenerated. In float32 the output equals a full regeneration (tested); in bf16 batch composition can change a
-near-tie, as between any two regenerations.
+A conversation whose non-answer content (:func:`conversation_key`) equals one in the earlier ``prompts.jsonl[.gz]``
+takes that file's regenerated conversation, with this run's id; only the others are regenerated, and the output
+keeps 01's order. The earlier file's ``prompts_report.json`` (beside it) must record the same regeneration settings
+(:data:`REGEN_KEYS`), else 01 refuses naming the first differing key. A conversation the context cap shortened in
+the earlier file does not match its full input and is regenerated. In float32 the output equals a full
+regeneration (tested).
 """
 
 from __future__ import annotations
@@ -24,7 +15,10 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from eagle3.errors import UserError
+from pydantic import ValidationError
+
+from eagle3.capture.prompts import PromptRecord
+from eagle3.errors import UserError, refusal
 from eagle3.io import read_json
 from eagle3.io.read import iter_jsonl
 from eagle3.regen.resume_log import comparable_settings, older_fields_warning
@@ -70,8 +64,11 @@ def conversation_key(conv: dict) -> str:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """The conversations of ``path`` (:func:`eagle3.io.read.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
-    UserError naming the file and line of a bad one, and the setting that named the file."""
+    """The conversations of ``path`` (:func:`eagle3.io.read.iter_jsonl`), each a :class:`PromptRecord`.
+
+    Raises:
+        UserError: an unreadable file or a bad line (file, line and field), naming ``prompts.reuse_answers``.
+    """
     try:
         lines = list(iter_jsonl(path))
     except UserError as e:  # file:line: malformed JSON: ...
@@ -79,10 +76,12 @@ def _read_rows(path: Path) -> list[dict]:
     except (OSError, EOFError) as e:
         raise UserError(f"{path}: prompts.reuse_answers: cannot read ({e})") from e
     for i, row in lines:
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise UserError(
-                f"{path}:{i}: prompts.reuse_answers: expected a conversation with 'messages'"
-            )
+        try:
+            PromptRecord.model_validate(row)
+        except ValidationError as e:
+            raise refusal(
+                e, f"{path}:{i}", "prompts.reuse_answers names an earlier 01 prompts file"
+            ) from e
     return [row for _, row in lines]
 
 

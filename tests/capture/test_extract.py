@@ -357,10 +357,16 @@ def test_bad_prompts_file(tmp_path):
     p.write_text(
         '{"id": "a", "messages": [{"role": "user", "content": "x"}]}\n{"id": "b", "messages": [{"role": "bot", "content": "y"}]}\n'
     )
-    with pytest.raises(UserError, match=r"prompts.jsonl:2: key 'messages\[0\]'"):
+    with pytest.raises(
+        UserError,
+        match=r"prompts.jsonl:2: field 'messages\[0\]\.role' should be 'system', 'user', 'assistant' or 'tool', got 'bot'; the prompts file is 01_prepare_prompts.py's output",
+    ):
         read_prompts(p)
     p.write_text('{"id": "a", "messages": []}\n')
-    with pytest.raises(UserError, match="prompts.jsonl:1: key 'messages'"):
+    with pytest.raises(
+        UserError,
+        match=r"prompts.jsonl:1: field 'messages' should hold at least 1 item\(s\), got \[\]",
+    ):
         read_prompts(p)
     p.write_text('{"id": "a"\n')
     with pytest.raises(UserError, match="prompts.jsonl:1: malformed JSON"):
@@ -377,7 +383,8 @@ def test_bad_prompts_file(tmp_path):
         '{"role": "assistant", "content": "y", "truncated": "yes"}]}\n'
     )  # 01 writes true, never a string
     with pytest.raises(
-        UserError, match=r"prompts.jsonl:1: key 'messages\[1\].truncated' must be a bool"
+        UserError,
+        match=r"prompts.jsonl:1: field 'messages\[1\].truncated' should be a valid boolean, got 'yes'",
     ):
         read_prompts(p)
     for bad in ('"2"', "true", "-1", "2.0"):  # 01 writes the stop id as an integer
@@ -387,8 +394,8 @@ def test_bad_prompts_file(tmp_path):
         )
         with pytest.raises(
             UserError,
-            match=r"prompts.jsonl:1: key 'messages\[1\].stop_token' must be a token id "
-            r"\(an integer >= 0\), got ",
+            match=r"prompts.jsonl:1: field 'messages\[1\].stop_token' should be (a valid integer|greater "
+            r"than or equal to 0), got ",
         ):
             read_prompts(p)
     p.write_text(
@@ -719,9 +726,10 @@ def test_a_tokens_item_that_is_not_a_token_id_is_refused_naming_the_key(tmp_path
     )
     with pytest.raises(UserError) as e:
         read_prompts(p)
-    assert (
-        str(e.value)
-        == f"{p}:1: key 'messages[1].tokens[1]' must be a token id (an integer >= 0), got {bad!r}"
+    what = "greater than or equal to 0" if bad == -5 else "a valid integer"
+    assert str(e.value) == (
+        f"{p}:1: field 'messages[1].tokens[1]' should be {what}, got {bad!r}; the prompts file is "
+        "01_prepare_prompts.py's output: re-run it or mend the record"
     )
 
 
