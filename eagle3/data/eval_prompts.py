@@ -24,10 +24,21 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, TypeVar
+from typing import Annotated, Literal, Optional, Sequence, TypeVar
 
-from eagle3.data.readers import unique_ids, with_record_system
-from eagle3.errors import UserError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from eagle3.data.readers import Text, unique_ids, with_record_system
+from eagle3.errors import UserError, refusal
 from eagle3.io.read import iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -35,7 +46,8 @@ log = logging.getLogger(__name__)
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
 PICKS = ("first", "spread")
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"
-_ROLES = ("system", "user", "assistant")
+_PROMPT_KEYS = ("messages", "turns", "prompt", "question", "instruction")
+ROW_SHAPE = 'a row is {"messages": [{"role", "content": str}, ...]} or {"turns"|"prompt"|"question"|"instruction": str}'
 T = TypeVar("T")
 
 
@@ -75,58 +87,68 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def _messages_from_row(row: dict, where: str) -> list[dict]:
-    """Chat messages of one prompt-file row (see :func:`load_prompt_file` for the accepted keys)."""
-    if "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise UserError(f"{where}: key 'messages' must be a non-empty list")
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("should not be blank")
+    return text
+
+
+Prompt = Annotated[StrictStr, AfterValidator(_not_blank)]
+
+
+class EvalMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+
+
+class EvalRow(BaseModel):
+    """One row of a prompt file; the prompt is the first present of ``messages`` (kept up to and including the first
+    user turn), ``turns`` (the first), ``prompt``, ``question``, ``instruction``; ``system`` a first system message."""
+
+    model_config = ConfigDict(extra="allow")
+    messages: Optional[Annotated[list[EvalMessage], Field(min_length=1)]] = None
+    turns: Optional[Annotated[list[Prompt], Field(min_length=1)]] = None
+    prompt: Optional[Prompt] = None
+    question: Optional[Prompt] = None
+    instruction: Optional[Prompt] = None
+    system: Optional[Text] = None
+
+    @field_validator("messages")
+    @classmethod
+    def _has_user_turn(cls, msgs):
+        if msgs is not None and not any(m.role == "user" for m in msgs):
+            raise ValueError("has no user turn")
+        return msgs
+
+    @model_validator(mode="after")
+    def _has_prompt(self):
+        if all(getattr(self, k) is None for k in _PROMPT_KEYS):
+            raise ValueError(f"has no prompt key (expected one of {', '.join(_PROMPT_KEYS)})")
+        return self
+
+    def chat(self) -> list[dict]:
+        if self.messages is None:
+            return _user(
+                self.turns[0] if self.turns else self.prompt or self.question or self.instruction
+            )
         out = []
-        for j, m in enumerate(msgs):
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in _ROLES
-                or not isinstance(m.get("content"), str)
-            ):
-                raise UserError(
-                    f"{where}: messages[{j}] must be {{role: system|user|assistant, content: str}}"
-                )
-            out.append({"role": m["role"], "content": m["content"]})
-            if m["role"] == "user":
-                return out  # up to and including the first user turn
-        raise UserError(f"{where}: key 'messages' has no user turn")
-    for key in ("turns", "prompt", "question", "instruction"):
-        if key in row:
-            val = row[key]
-            if key == "turns":
-                if not isinstance(val, list) or not val or not isinstance(val[0], str):
-                    raise UserError(f"{where}: key 'turns' must be a non-empty list of strings")
-                val = val[0]
-            if not isinstance(val, str) or not val.strip():
-                raise UserError(f"{where}: key '{key}' must be a non-empty string")
-            return _user(val)
-    raise UserError(
-        f"{where}: no prompt key (expected one of messages, turns, prompt, question, instruction)"
-    )
+        for m in self.messages:
+            out.append({"role": m.role, "content": m.content})
+            if m.role == "user":
+                return out
+        return out
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     with open(path, "rb") as f:
-        head = (
-            f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
-        )  # a byte-order mark is skipped (iter_jsonl)
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # a byte-order mark is skipped
     if head.startswith(
         b"["
     ):  # a pretty-printed JSON array: its line 1 alone would read as "malformed JSON"
         raise UserError(
             f"{path}: expected JSONL (one JSON object per line); this file is a JSON array"
         )
-    rows = []
-    for lineno, row in iter_jsonl(path):
-        if not isinstance(row, dict):
-            raise UserError(f"{path}:{lineno}: expected a JSON object")
-        rows.append((lineno, row))
-    return rows
+    return list(iter_jsonl(path))
 
 
 def load_prompt_file(
@@ -150,12 +172,14 @@ def load_prompt_file(
         )
     out = []
     for lineno, row in _read_jsonl(path):
-        row = {
-            k: v for k, v in row.items() if v is not None
-        }  # a null key is an absent one (pandas' to_json)
-        msgs = with_record_system(
-            _messages_from_row(row, f"{path}:{lineno}"), row, f"{path}:{lineno}"
-        )
+        where = f"{path}:{lineno}"
+        if isinstance(row, dict):  # a null key is an absent one (pandas' to_json)
+            row = {k: v for k, v in row.items() if v is not None}
+        try:
+            rec = EvalRow.model_validate(row)
+        except ValidationError as e:
+            raise refusal(e, where, ROW_SHAPE) from e
+        msgs = with_record_system(rec.chat(), rec.system, where)
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
         cat = row.get("category")
         out.append(

@@ -772,11 +772,11 @@ def test_utf8_byte_order_mark_is_read(tmp_path):
     [
         (
             ["a", "b"],
-            r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]' must be a content part .*got str$",
+            r"q\.jsonl:1: field 'messages\[0\]\.content' item 0 should be a content part .*got str; ",
         ),
         (
             [{"type": "text", "text": 5}],
-            r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]\.text' must be a string, got int$",
+            r"q\.jsonl:1: field 'messages\[0\]\.content' item 0: 'text' should be a string, got int; ",
         ),
     ],
 )
@@ -1021,7 +1021,7 @@ def test_a_bad_list_item_is_named_with_its_index(tmp_path, row, field):
     bad = _jsonl(tmp_path / "q.jsonl", [row])
     with pytest.raises(UserError) as e:
         read_conversations(bad, keep_prompt_only=True)
-    assert str(e.value).startswith(f"{bad}:1: field '{field}' must be a string, got ")
+    assert str(e.value).startswith(f"{bad}:1: field '{field}' should be a valid string, got ")
 
 
 def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
@@ -1108,7 +1108,9 @@ def test_a_top_level_system_field_is_the_system_turn(tmp_path):
     num = _jsonl(
         tmp_path / "num.jsonl", [{"conversations": [{"from": "human", "value": "q"}], "system": 3}]
     )
-    with pytest.raises(UserError, match=r"num\.jsonl:1: field 'system' must be a string, got int"):
+    with pytest.raises(
+        UserError, match=r"num\.jsonl:1: field 'system' should be a valid string, got 3"
+    ):
         read_conversations(str(num), keep_prompt_only=True)
     evalset = _jsonl(tmp_path / "eval.jsonl", [{"id": "e", "prompt": "q", "system": "Be terse."}])
     assert load_prompt_file(evalset)[0].messages == [S, U("q")]
