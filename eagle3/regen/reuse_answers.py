@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 
 from eagle3.capture.prompts import PromptRecord
 from eagle3.errors import UserError, refusal
@@ -92,36 +92,45 @@ def check_settings(report: dict, want: dict, report_file: Path) -> None:
     UserError naming the first differing key. A file of an older 01, whose ``answer_fields`` lack some of
     :data:`eagle3.chat.template.ANSWER_FIELDS` (``stop_token``), is reused with one warning
     (:func:`eagle3.regen.resume_log.older_fields_warning`); the new report records the fields every answer has."""
-    old = report.get("settings") if isinstance(report, dict) else None
-    if not isinstance(old, dict):
-        raise UserError(
-            f"{report_file}: prompts.reuse_answers: not a report of 01 (no 'settings' object)"
-        )
-    if not old.get("regenerate"):
-        raise UserError(
-            f"{report_file}: prompts.reuse_answers: that run did not regenerate its answers (settings "
-            f"regenerate is not true)"
-        )
+    try:
+        rec = EarlierReport.model_validate(report)
+    except ValidationError as e:
+        raise refusal(
+            e, f"{report_file}: prompts.reuse_answers", "name a regenerating 01 run's file"
+        ) from e
     warning = older_fields_warning(
-        report_file, report.get("answer_fields"), "prompts.reuse_answers: reusing answers"
+        report_file, rec.answer_fields, "prompts.reuse_answers: reusing answers"
     )
     if warning:
         log.warning(warning)
-    old = comparable_settings(old, want)
-    for k in REGEN_KEYS:
-        if k == "verifier_weights" and old.get(k) != want.get(k):
-            raise UserError(
-                f"{report_file}: prompts.reuse_answers: its answers were made by other weights than this "
-                f"run's verifier.path holds (settings key verifier_weights: {old.get(k)} -> {want.get(k)}; "
-                f"the verifier's name is the same); regenerate without prompts.reuse_answers or set "
-                f"verifier.path back"
-            )
-        if old.get(k) != want.get(k):
-            raise UserError(
-                f"{report_file}: prompts.reuse_answers: its answers were made with {k} = "
-                f"{json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}; regenerate without "
-                f"prompts.reuse_answers or match the setting"
-            )
+    old = comparable_settings(rec.settings, want)
+    k = next((k for k in REGEN_KEYS if old.get(k) != want.get(k)), None)
+    if k is not None:
+        weights = k == "verifier_weights"
+        how = (
+            f"by other weights than this run's verifier.path holds (settings key verifier_weights: "
+            f"{old.get(k)} -> {want.get(k)}; the verifier's name is the same)"
+            if weights
+            else f"with {k} = {json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}"
+        )
+        raise UserError(
+            f"{report_file}: prompts.reuse_answers: its answers were made {how}; regenerate without "
+            f"prompts.reuse_answers or {'set verifier.path back' if weights else 'match the setting'}"
+        )
+
+
+class EarlierReport(BaseModel):
+    """What :func:`check_settings` reads of the earlier 01's ``prompts_report.json``."""
+
+    settings: dict
+    answer_fields: Any = None
+
+    @field_validator("settings")
+    @classmethod
+    def _regenerated(cls, settings: dict) -> dict:
+        if not settings.get("regenerate"):
+            raise ValueError("says regenerate is not true: that run did not regenerate its answers")
+        return settings
 
 
 def load(path: str, want: dict) -> dict[str, dict]:
@@ -132,12 +141,11 @@ def load(path: str, want: dict) -> dict[str, dict]:
         UserError: the file or its report is missing or unreadable, a line is bad, or the settings differ.
     """
     p = Path(path)
-    if p.is_dir():
-        raise UserError(
-            f"prompts.reuse_answers: {p}: a folder; give the earlier prompts.jsonl[.gz] in it"
-        )
     if not p.is_file():
-        raise UserError(f"prompts.reuse_answers: {p}: no such file")
+        what = (
+            "a folder; give the earlier prompts.jsonl[.gz] in it" if p.is_dir() else "no such file"
+        )
+        raise UserError(f"prompts.reuse_answers: {p}: {what}")
     rep = p.parent / "prompts_report.json"
     if not rep.is_file():
         raise UserError(
