@@ -290,14 +290,13 @@ def check_dataset_names(names: Sequence[str], field: str, indexed: bool = True) 
         path = Path(name)
         if name in BUILTIN or path.is_file():
             continue
-        where = f"{field}[{i}]" if indexed else field
         if path.is_dir():
-            raise UserError(f"{where}: '{name}' is a folder, not a JSONL prompt file")
-        if "/" in name or name.endswith(PROMPT_FILE_SUFFIXES):
-            raise UserError(f"{where}: prompt file '{name}' not found")
-        raise UserError(
-            f"{where}: unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)"
-        )
+            why = f"'{name}' is a folder, not a JSONL prompt file"
+        elif "/" in name or name.endswith(PROMPT_FILE_SUFFIXES):
+            why = f"prompt file '{name}' not found"
+        else:
+            why = f"unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)"
+        raise UserError(f"{field}[{i}]: {why}" if indexed else f"{field}: {why}")
 
 
 def load_eval_subset(

@@ -393,33 +393,37 @@ def check_args(
     out: Path,
     folder: bool = False,
 ) -> None:
-    """One-line errors for a bad argument, an ``--out`` that is a folder (an existing one, or ``folder``: given with a
-    trailing slash), an ``--out`` not named ``.jsonl`` / ``.jsonl.gz`` (01 would not read it as a messages-JSONL),
-    an output folder that does not exist, and an ``--out`` whose report would take 01's own report
-    name (``prompts.jsonl`` -> ``prompts_report.json``)."""
+    """One-line errors for a sampling flag out of range (:class:`SamplingFlags`) or an unusable ``--out``
+    (:func:`_out_problem`; ``folder``: it was given with a trailing slash)."""
     args = dict(zip(_FLAGS, (num, temperature, top_p, max_query_tokens, min_chars)))
     try:
         SamplingFlags.model_validate(args)
     except ValidationError as e:
         raise refusal(e, "01 --self-instruct", "pass a value in that range") from e
+    problem = _out_problem(out, folder)
+    if problem:
+        raise UserError(f"--out {out}{'/' if folder else ''}: {problem}")
+
+
+def _out_problem(out: Path, folder: bool) -> Optional[str]:
+    """Why ``out`` cannot be the self-instruct file, with the fix: a folder, a name 01 would not read as a
+    messages-JSONL (``.jsonl`` / ``.jsonl.gz``), a missing folder, or a report name equal to 01's own; else None."""
+    stem = out.name.split(".")[0] or "self_instruct"
     if folder or out.is_dir():
-        raise UserError(
-            f"--out {out}{'/' if folder else ''}: a folder; give the file to write, e.g. "
-            f"{out / 'self_instruct.jsonl'}"
-        )
+        return f"a folder; give the file to write, e.g. {out / 'self_instruct.jsonl'}"
     if not out.name.endswith((".jsonl", ".jsonl.gz")):  # 01 reads .json as one array
-        stem = out.name.split(".")[0] or "self_instruct"
-        raise UserError(
-            f"--out {out}: the file is a messages-JSONL, which prompts.source reads only under a name "
-            f"ending in .jsonl or .jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}"
+        return (
+            "the file is a messages-JSONL, which prompts.source reads only under a name ending in .jsonl or "
+            f".jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}"
         )
     if not out.parent.is_dir():
-        raise UserError(f"--out {out}: folder {out.parent} does not exist")
+        return f"folder {out.parent} does not exist"
     if report_path(out).name == "prompts_report.json":
-        raise UserError(
-            f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
-            f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl"
+        return (
+            f"its report would be {report_path(out)}, the name of 01's own report (which prompts.reuse_answers "
+            "and 02 read); choose another name, e.g. self_instruct.jsonl"
         )
+    return None
 
 
 def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:

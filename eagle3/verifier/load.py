@@ -11,12 +11,13 @@ import hashlib
 import logging
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union
+from typing import Annotated, Any, Optional, Protocol, Union
 
 import torch
+from pydantic import BaseModel, BeforeValidator, Field, StrictInt, ValidationError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io import read_json
 from eagle3.verifier.arch import cfg_get, drafter_head_dim, text_config
 
@@ -192,17 +193,14 @@ tokenizer's vocab are used."""
 _STOP_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _eos_field(value: Any, source: Path) -> set[int]:
-    if value is None:
-        return set()
-    vals = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(vals, (list, tuple)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals
-    ):
-        raise UserError(
-            f"{source}: key 'eos_token_id' must be a token id or a list of token ids, got {value!r}"
-        )
-    return {int(v) for v in vals}
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class EosIds(BaseModel):
+    """``eos_token_id`` of a ``config.json`` / ``generation_config.json`` (or its ``text_config``): an id or a list."""
+
+    eos_token_id: Annotated[list[Annotated[StrictInt, Field(ge=0)]], BeforeValidator(_as_list)] = []
 
 
 def config_eos_ids(vcfg: VerifierSpec) -> set[int]:
@@ -222,9 +220,12 @@ def config_eos_ids(vcfg: VerifierSpec) -> set[int]:
         raw = read_json(f)  # file:line: malformed JSON / not UTF-8 text
         if not isinstance(raw, dict):
             continue
-        out |= _eos_field(raw.get("eos_token_id"), f)
-        if isinstance(raw.get("text_config"), dict):
-            out |= _eos_field(raw["text_config"].get("eos_token_id"), f)
+        for sub in (raw, raw.get("text_config")):
+            if isinstance(sub, dict) and sub.get("eos_token_id") is not None:
+                try:
+                    out |= set(EosIds.model_validate(sub).eos_token_id)
+                except ValidationError as e:
+                    raise refusal(e, str(f), "a token id or a list of token ids") from e
     return out
 
 
