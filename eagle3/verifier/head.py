@@ -144,9 +144,7 @@ class TargetHead:
                 meta = f.metadata() or {}
             tensors = load_file(str(path), device=str(device))
         except (SafetensorError, OSError, ValueError) as e:
-            raise UserError(
-                f"{path}: corrupt safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            ) from e
+            raise _unreadable(path, "corrupt safetensors file", e) from e
         try:
             rec = HeadFile.model_validate({**meta, **tensors})
         except ValidationError as e:
@@ -190,6 +188,12 @@ class HeadConfig(BaseModel):
     tie_word_embeddings: Optional[bool] = None
 
 
+def _unreadable(path: Path, what: str, e: Exception) -> UserError:
+    """``<path>: <what>: <the first line of e>``."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(f"{path}: {what}: {first}")
+
+
 def _weight_map(folder: Path) -> dict[str, str]:
     """Tensor name -> shard file name (relative to ``folder``).
 
@@ -210,9 +214,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
             with safe_open(str(single), framework="pt") as f:
                 return {k: SINGLE_FILE for k in f.keys()}
         except (SafetensorError, OSError) as e:
-            raise UserError(
-                f"{single}: not a readable safetensors file: {str(e).splitlines()[0] if str(e) else e}"
-            ) from e
+            raise _unreadable(single, "not a readable safetensors file", e) from e
     raise UserError(
         f"{folder}: no {INDEX_FILE} or {SINGLE_FILE} (expected a safetensors checkpoint folder)"
     )
@@ -339,7 +341,5 @@ def _read_tensors(folder: Path, wm: dict[str, str], names: list[str]) -> dict[st
                 for name in wanted:
                     tensors[name] = f.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise UserError(
-                f"{path}: cannot read {wanted}: {str(e).splitlines()[0] if str(e) else e}"
-            ) from e
+            raise _unreadable(path, f"cannot read {wanted}", e) from e
     return tensors
