@@ -10,10 +10,8 @@ Built-in sets (first turns only, as EAGLE / SpecForge benchmarks do at temperatu
   ``"Complete the code I provided.\\n\\n"`` as in EAGLE's ``eagle/data/humaneval/question.jsonl``.
 - ``gsm8k``: the questions of ``eval/gsm8k_test.jsonl`` (1319; use ``num_prompts`` for a subset).
 
-A subset of N prompts is picked by ``benchmark.prompt_pick`` (:func:`pick_prompts`): ``first`` (the first N, as
-every recorded run of this project did) or ``spread`` (N prompts evenly spaced over the set). MT-bench is stored
-in category order (10 writing prompts, then roleplay, ...), so its first 8 prompts are all *writing*, its weakest
-category for a drafter: a ``first`` subset that leaves categories out gets a warning (:func:`subset_warnings`).
+A subset of N prompts is picked by ``benchmark.prompt_pick`` (:func:`pick_prompts`): ``first`` or ``spread``
+(evenly spaced); a subset that leaves categories out gets a warning (:func:`subset_warnings`).
 
 The shared data folder is ``$EAGLE3_SHARED_DATA`` if set, else ``<repo root>/../shared/data``.
 """
@@ -155,16 +153,11 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
 def load_prompt_file(
     path: str | os.PathLike, num_prompts: Optional[int] = None
 ) -> list[EvalPrompt]:
-    """Load prompts from a JSONL file, one object per line.
-
-    Accepted keys, first match wins: ``messages`` (chat list; kept up to and including the first
-    user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``; a top-level
-    ``system`` string is the system message (:func:`eagle3.data.readers.with_record_system`, as 01 reads it).
-    The id is ``id``/``question_id``/``task_id``/``uid`` if present, else the line number; a repeated one is made
-    unique (``7#2``, :func:`_unique_prompt_ids`).
+    """The first ``num_prompts`` (None: all) rows of a JSONL prompt file, each an :class:`EvalRow`; the id is
+    ``id``/``question_id``/``task_id``/``uid``, else the line number, a repeated one made unique (``7#2``).
 
     Raises:
-        UserError: missing file, malformed JSON (with line), or a row without a usable prompt (line + key).
+        UserError: missing or empty file, malformed JSON, or a row its model refuses (``file:line: field ...``).
     """
     path = Path(path)
     if not path.is_file():
@@ -195,9 +188,8 @@ def load_prompt_file(
 
 
 def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
-    """Make repeated ids of one prompt file unique in place, as 01 does (:func:`eagle3.data.readers.unique_ids`:
-    the second ``7`` becomes ``7#2``), with one warning, so ``bench.json``'s ``prompt_ids`` and ``per_prompt`` rows
-    name each prompt once (two files concatenated both number from 1)."""
+    """Repeated ids of one prompt file made unique in place as 01 does (:func:`eagle3.data.readers.unique_ids`), with
+    one warning."""
     ids = [c["id"] for c in unique_ids([{"id": p.id} for p in prompts])]
     renamed = [(p.id, new) for p, new in zip(prompts, ids) if p.id != new]
     if not renamed:
@@ -251,12 +243,8 @@ def subset_warnings(
     pick: str = "first",
     pick_flag: str = "benchmark.prompt_pick:",
 ) -> list[str]:
-    """One warning when ``chosen`` (a subset of ``everything``, picked by ``pick``) leaves out categories the set has,
-    with what would cover them: ``{pick_flag} spread`` for a ``first`` subset (the config key by default; a bench
-    script names its flag), more prompts for a ``spread`` one.
-
-    Only sets whose rows carry a ``category`` (MT-bench) can be checked. Returns [] otherwise.
-    """
+    """One warning when ``chosen`` (picked by ``pick``) leaves out categories of ``everything`` (rows with a
+    ``category``: MT-bench), with what would cover them (``pick_flag``: the option that names the pick); else []."""
     cats = list(dict.fromkeys(p.category for p in everything if p.category))
     have = set(p.category for p in chosen if p.category)
     missing = [c for c in cats if c not in have]
@@ -278,14 +266,8 @@ PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".gz")
 
 
 def check_dataset_names(names: Sequence[str], field: str, indexed: bool = True) -> None:
-    """Refuse, before anything loads, a dataset that is neither a built-in set (:data:`BUILTIN`) nor a prompt file,
-    naming where it was given: ``field[i]`` for a config list (``benchmark.datasets[0]: unknown dataset 'mine'
-    (known: ...)``), ``field`` alone for a flag (``indexed=False``: ``--datasets``). A name that looks like a path
-    (a ``/`` or a prompt-file suffix) is reported as a missing file, a folder as a folder.
-
-    Raises:
-        UserError: the first such name.
-    """
+    """Refuse, before anything loads, the first name that is neither a built-in set (:data:`BUILTIN`) nor a prompt
+    file, naming ``field[i]`` (a config list) or ``field`` (a flag, ``indexed=False``)."""
     for i, name in enumerate(names):
         path = Path(name)
         if name in BUILTIN or path.is_file():
@@ -302,18 +284,8 @@ def check_dataset_names(names: Sequence[str], field: str, indexed: bool = True) 
 def load_eval_subset(
     name: str, num_prompts: Optional[int] = None, pick: str = "first"
 ) -> tuple[list[EvalPrompt], list[str]]:
-    """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
-    and say when the subset leaves categories out (:func:`subset_warnings`).
-
-    A ``num_prompts`` above the set's size benchmarks the whole set, with a warning naming the set and both counts
-    (MT-bench has 80: ``--num-prompts 100`` measures 80).
-
-    Returns:
-        (the chosen prompts in set order, warnings).
-
-    Raises:
-        UserError: as :func:`load_eval_prompts` and :func:`pick_prompts`.
-    """
+    """``(prompts, warnings)``: ``num_prompts`` of the set ``name`` picked by ``pick`` (:func:`pick_prompts`), and
+    the warnings of a count above the set's size (:func:`too_few_note`) or a subset missing categories."""
     everything = load_eval_prompts(name)
     chosen = pick_prompts(everything, num_prompts, pick)
     label = dataset_label(name)
@@ -328,23 +300,18 @@ def too_few_note(
     flags: str = "--num-prompts / benchmark.num_prompts",
     verb: str = "benchmarked",
 ) -> Optional[str]:
-    """The warning of a prompt count above the set's size (the whole set is used), naming the set, the option and
-    both counts: ``mtbench: 100 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 80: all 80
-    benchmarked``; None when the set is large enough or nothing was asked."""
+    """The warning of a prompt count above the set's size (the whole set is used): ``mtbench: 100 prompts asked
+    (<flags>) but the set has 80: all 80 benchmarked``; None when none is due."""
     if asked is None or asked <= have:
         return None
     return f"{label}: {asked} prompts asked ({flags}) but the set has {have}: all {have} {verb}"
 
 
 def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:
-    """Load an evaluation set by name (``mtbench``, ``humaneval``, ``gsm8k``) or prompt-file path.
-
-    Args:
-        name: a built-in set name or a JSONL path (see :func:`load_prompt_file`).
-        num_prompts: keep the first N prompts (all if None); :func:`load_eval_subset` picks otherwise.
+    """The first ``num_prompts`` (None: all) prompts of a built-in set or a JSONL prompt file.
 
     Raises:
-        UserError: shared data folder or file missing, malformed rows (file + line + key), ``num_prompts`` < 1.
+        UserError: shared data folder or file missing, a malformed row, ``num_prompts`` < 1.
     """
     pick_prompts([], num_prompts)  # checks num_prompts before any file is read
     if name == "humaneval":
@@ -368,9 +335,8 @@ def dataset_label(name: str) -> str:
 
 
 def dataset_labels(names: Sequence[str]) -> list[str]:
-    """:func:`dataset_label` of each name, made unique within one run: files of the same stem in different folders
-    (``a/two.jsonl``, ``b/two.jsonl``) get their parent folder in front (``a/two``, ``b/two``), and a set named twice
-    gets ``#2``, ``#3`` (reports per set, e.g. ``server-{label}/``, would otherwise overwrite each other)."""
+    """:func:`dataset_label` of each name, unique within one run: equal stems get their parent folder in front
+    (``a/two``, ``b/two``), a set named twice ``#2``, ``#3``."""
     labels = [dataset_label(n) for n in names]
     out = [
         f"{Path(n).parent.name}/{lab}" if labels.count(lab) > 1 and n not in BUILTIN else lab
@@ -387,15 +353,8 @@ def dataset_labels(names: Sequence[str]) -> list[str]:
 def load_sets(
     datasets: Sequence[str], num_prompts: Optional[int], pick: str
 ) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
-    """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`load_eval_subset`),
-    under a label unique within the run (:func:`dataset_labels`).
-
-    Returns:
-        ``([(label, prompts), ...], subset warnings)``.
-
-    Raises:
-        UserError: a prompt set that cannot be loaded (file, line, key).
-    """
+    """``([(label, prompts), ...], warnings)``: each dataset's :func:`load_eval_subset` under its
+    :func:`dataset_labels` label."""
     sets, notes = [], []
     for name, label in zip(datasets, dataset_labels(datasets)):
         chosen, more = load_eval_subset(name, num_prompts, pick)
