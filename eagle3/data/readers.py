@@ -495,7 +495,7 @@ def _conversation(
             if fmt in ("auto", "hf")
             else f" (prompts.format '{fmt}'; keys seen: {', '.join(map(str, rec))})"
         )
-        raise refusal(e, where, f"a {rfmt} record is {SHAPES[rfmt]}{forced}") from e
+        raise refusal(e, where, f"{rfmt} records look like {SHAPES[rfmt]}{forced}") from e
     inner = "conversations[0]" if rfmt == "sharegpt" else "messages[0]"
     raw = with_record_system(record.raw(), record.system, where, inner)
     msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)

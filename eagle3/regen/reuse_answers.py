@@ -86,12 +86,9 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def check_settings(report: dict, want: dict, report_file: Path) -> None:
-    """The earlier run's regeneration settings (``report["settings"]``) equal this run's (``want``) on every
-    :data:`REGEN_KEYS` key (a key absent from both is equal; the earlier settings taken as
-    :func:`eagle3.regen.resume_log.comparable_settings` gives them: ``verifier_weights`` compared when both record it),
-    UserError naming the first differing key. A file of an older 01, whose ``answer_fields`` lack some of
-    :data:`eagle3.chat.template.ANSWER_FIELDS` (``stop_token``), is reused with one warning
-    (:func:`eagle3.regen.resume_log.older_fields_warning`); the new report records the fields every answer has."""
+    """Refuse an earlier report (:class:`EarlierReport`) whose settings differ from this run's ``want`` on a
+    :data:`REGEN_KEYS` key (compared as :func:`eagle3.regen.resume_log.comparable_settings` gives them), naming the
+    first; older ``answer_fields`` only warn (:func:`eagle3.regen.resume_log.older_fields_warning`)."""
     try:
         rec = EarlierReport.model_validate(report)
     except ValidationError as e:
@@ -171,12 +168,9 @@ def split(convs: list[dict], earlier: dict[str, dict]) -> tuple[list[Optional[di
 
 
 def merge(convs: list[dict], reused: list[Optional[dict]], regenerated: list[dict]) -> list[dict]:
-    """The output in input order: each position's reused conversation, or its regenerated one. ``regenerated`` is
-    the regeneration's output for the ``todo`` inputs in their order, a failed one left out (endpoints): an input
-    whose id is not the next regenerated id is dropped, as a full regeneration drops it. A reused conversation takes
-    this run's id for its input (the earlier file's id may name another row: ids made from a file's line numbers
-    shift when a row is inserted, and the same prompt may come from another source file), as a full regeneration
-    would give it."""
+    """The output in input order: each position's reused conversation (with this run's id for it), or its
+    regenerated one. ``regenerated`` holds the ``todo`` inputs' answers in order, a failed one left out: an input
+    whose id is not the next regenerated id is dropped, as a full regeneration drops it."""
     out, it = [], iter(regenerated)
     nxt = next(it, None)
     for c, r in zip(convs, reused):
