@@ -45,7 +45,6 @@ from pydantic import (
     AliasChoices,
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     StrictStr,
     ValidationError,
@@ -121,9 +120,8 @@ def humaneval_message(prompt: str) -> str:
 
 
 class _Record(BaseModel):
-    """A source record: its own keys; ``system`` (LLaMA-Factory) is a first system message."""
+    """A source record; ``system`` (LLaMA-Factory) is a first system message; other keys are ignored."""
 
-    model_config = ConfigDict(extra="allow")
     system: Optional[Text] = None
 
 
@@ -216,24 +214,15 @@ class Questions(_Record):
 
     @model_validator(mode="after")
     def _has_one(self):
-        if (
-            self.turns is None
-            and self.prompt is None
-            and self.question is None
-            and self.instruction is None
-        ):
+        if all(x is None for x in (self.turns, self.prompt, self.question, self.instruction)):
             raise ValueError("has none of the keys turns, prompt, question, instruction")
         return self
 
     def raw(self) -> list:
         if self.turns is not None:
             return [("user", t) for t in self.turns]
-        return [
-            (
-                "user",
-                next(x for x in (self.prompt, self.question, self.instruction) if x is not None),
-            )
-        ]
+        text = next(x for x in (self.prompt, self.question, self.instruction) if x is not None)
+        return [("user", text)]
 
 
 RECORDS = {
