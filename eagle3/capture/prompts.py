@@ -18,7 +18,6 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictInt,
@@ -51,13 +50,12 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class PromptMessage(BaseModel):
-    """One message of the prompts file (DESIGN.md "Prompts file"); other keys are kept as they are.
+    """One message of the prompts file (DESIGN.md "Prompts file"); other keys are not checked.
 
     ``tokens``: the ids the verifier generated (assistant); ``truncated``: cut at ``prompts.max_new_tokens`` (no loss
     on the template's end-of-turn token); ``stop_token``: the stop id the verifier ended on.
     """
 
-    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool"]
     content: StrictStr
     reasoning_content: Optional[StrictStr] = None
@@ -71,7 +69,6 @@ class PromptMessage(BaseModel):
 class PromptRecord(BaseModel):
     """One line of the prompts file 01 writes: ``{"id", "messages", "tools"?}``."""
 
-    model_config = ConfigDict(extra="allow")
     id: StrictStr
     messages: Annotated[list[PromptMessage], Field(min_length=1)]
     tools: Optional[list] = None

@@ -27,7 +27,6 @@ from typing import Annotated, Literal, Optional, Sequence, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     StrictStr,
     ValidationError,
@@ -104,7 +103,6 @@ class EvalRow(BaseModel):
     """One row of a prompt file; the prompt is the first present of ``messages`` (kept up to and including the first
     user turn), ``turns`` (the first), ``prompt``, ``question``, ``instruction``; ``system`` a first system message."""
 
-    model_config = ConfigDict(extra="allow")
     messages: Optional[Annotated[list[EvalMessage], Field(min_length=1)]] = None
     turns: Optional[Annotated[list[Prompt], Field(min_length=1)]] = None
     prompt: Optional[Prompt] = None
