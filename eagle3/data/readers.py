@@ -498,11 +498,8 @@ def _conversation(
 
 
 def unique_ids(conversations: list[dict]) -> list[dict]:
-    """``conversations`` (in order) with every repeated ``id`` made unique as :func:`read_conversations` does within
-    one file: the second ``x`` becomes ``x#2`` (the next free ``#k``), the first keeps its id. For several sources
-    read into one list: ShareGPT exports share ids across files (7 among the 127K config's three ShareGPT files, 4 of
-    them surviving dedupe), and ``prompts.jsonl`` holds one conversation per id (``prompts.reuse_answers`` places
-    regenerated conversations by id)."""
+    """``conversations`` (in order) with every repeated ``id`` made unique: the second ``x`` becomes ``x#2`` (the
+    next free ``#k``), the first keeps its id; ``prompts.jsonl`` holds one conversation per id."""
     seen: set[str] = set()
     out = []
     for c in conversations:
@@ -550,9 +547,8 @@ def short_pool_warning(
     option: str, asked: Optional[int], have: int, what: str = "conversations"
 ) -> Optional[str]:
     """The one-line warning of an option that samples ``asked`` items from a pool of only ``have`` (all are kept):
-    ``prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3`` (``what`` says what
-    the pool holds); None when the pool is large enough, ``asked`` is None, or the pool is empty (an error elsewhere).
-    Every sampling option (01's ``prompts.sample_size``, the bench scripts' ``--num`` / ``-n``) warns with it."""
+    ``prompts.sample_size 50: only 3 conversations; keeping all 3``; None when the pool is large enough, ``asked``
+    is None, or the pool is empty (an error elsewhere)."""
     if asked is None or not 0 < have < asked:
         return None
     return f"{option} {asked}: only {have} {what}; keeping all {have}"

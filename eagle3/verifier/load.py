@@ -445,15 +445,12 @@ def verifier_dims(hf_config: Any) -> dict:
             with :func:`text_config`).
 
     Returns:
-        dict with ``num_layers`` (decoder layers N; HF returns N+1 hidden states),
-        ``hidden_size``, ``vocab_size``, ``architecture`` (the TOP-level ``architectures[0]``, e.g.
-        ``KimiK25ForConditionalGeneration``; for GGUF configs, which have none, transformers'
-        causal-LM class for the model type, e.g. ``LlamaForCausalLM``), ``model_type`` (of the text model, e.g.
-        ``deepseek_v3``/``kimi_k2``), ``rms_norm_eps``, ``rope_theta`` (None if absent),
-        ``num_attention_heads``, ``num_key_value_heads`` (defaults to the head count),
-        ``head_dim`` (``head_dim`` field for standard attention; ``hidden_size // heads`` for MLA
-        models, which have ``kv_lora_rank``, because the drafter is a Llama-style layer),
-        ``intermediate_size`` (the dense MLP width) and ``max_position_embeddings``.
+        dict with ``num_layers`` (decoder layers N; HF returns N+1 hidden states), ``hidden_size``, ``vocab_size``,
+        ``architecture`` (the top-level ``architectures[0]``; for GGUF configs transformers' causal-LM class of the
+        model type), ``model_type`` (of the text model), ``rms_norm_eps``, ``rope_theta`` (None if absent),
+        ``num_attention_heads``, ``num_key_value_heads`` (default: the head count), ``head_dim``
+        (:func:`eagle3.verifier.arch.drafter_head_dim`), ``intermediate_size`` (the dense MLP width) and
+        ``max_position_embeddings``.
 
     Raises:
         UserError: a required field (num_hidden_layers, hidden_size, vocab_size, num_attention_heads) is missing.
