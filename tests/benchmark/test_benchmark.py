@@ -342,10 +342,10 @@ def test_prompt_file_formats_and_errors(tmp_path):
     with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
         load_prompt_file(bad)
     bad.write_text(json.dumps({"text": "no key"}) + "\n")
-    with pytest.raises(UserError, match=r"bad.jsonl:1: no prompt key"):
+    with pytest.raises(UserError, match=r"bad.jsonl:1: the record has no prompt key"):
         load_prompt_file(bad)
     bad.write_text(json.dumps({"turns": []}) + "\n")
-    with pytest.raises(UserError, match=r"bad.jsonl:1: key 'turns'"):
+    with pytest.raises(UserError, match=r"bad.jsonl:1: field 'turns' should hold at least 1 item"):
         load_prompt_file(bad)
     with pytest.raises(UserError, match="not found"):
         load_eval_prompts(str(tmp_path / "missing.jsonl"))
