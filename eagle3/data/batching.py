@@ -53,11 +53,8 @@ def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[
 
 
 class TokenBudgetBatchSampler:
-    """One rank's ``DataLoader`` batch sampler (module docstring). ``window`` 0 = the whole epoch; ``shuffle=False``
-    keeps dataset order (validation).
-
-    Raises:
-        UserError: ``batch_tokens < 1``.
+    """One rank's ``DataLoader`` batch sampler (module docstring); ``batch_tokens >= 1`` (the config's bound).
+    ``window`` 0 = the whole epoch; ``shuffle=False`` keeps dataset order (validation).
     """
 
     def __init__(
@@ -71,8 +68,6 @@ class TokenBudgetBatchSampler:
         window: int = DEFAULT_WINDOW,
         shuffle: bool = True,
     ):
-        if batch_tokens < 1:
-            raise UserError(f"train.batch_tokens must be >= 1, got {batch_tokens}")
         self.lengths = [int(n) for n in lengths]
         self.batch_tokens = int(batch_tokens)
         self.num_replicas, self.rank, self.grad_accum = (

@@ -86,11 +86,6 @@ def build_vocab_map(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Te
     return d2t, t2d
 
 
-def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """int64 ``[draft_V]`` target id of each draft id: ``arange(draft_V) + d2t`` (SGLang ``hot_token_id``)."""
-    return torch.arange(d2t.numel(), dtype=torch.int64) + d2t  # [draft_V]
-
-
 def coverage(freq: torch.Tensor, t2d: torch.Tensor) -> float:
     """Fraction of counted target tokens inside the draft vocab; ValueError on a shape mismatch or no count."""
     if freq.shape != t2d.shape:

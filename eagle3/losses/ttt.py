@@ -90,9 +90,9 @@ def ttt_token_counts(
     )  # [K]
 
 
-def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=None) -> torch.Tensor:
+def step_denominators(counts: list[torch.Tensor], world_size: int = 1) -> torch.Tensor:
     """Per-TTT-step denominators ``max(N_i, 1) / world_size``, float32 ``[K]``: ``N_i`` sums ``counts`` (int64 ``[K]``
-    per micro-batch) over the micro-batches and, with ``world_size > 1``, over ranks (one all-reduce on ``group``,
+    per micro-batch) over the micro-batches and, with ``world_size > 1``, over ranks (one all-reduce,
     no host sync). Dividing by ``world_size`` undoes DDP's gradient averaging, so the step's gradient is that of
     ``sum_i w**i * S_i / N_i`` however the samples are split. Every rank must call it with the same ``K``.
     """
@@ -100,7 +100,7 @@ def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=Non
     if world_size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total)
     return (total.clamp(min=1) / world_size).float()  # [K]
 
 
