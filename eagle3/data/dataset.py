@@ -148,14 +148,8 @@ class ResumableSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
     ):
-        super().__init__(
-            dataset,
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=True,
-        )
+        kw = dict(num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        super().__init__(dataset, drop_last=True, **kw)
         self.start = 0
 
     def set_start(self, global_start: int) -> None:

@@ -46,15 +46,7 @@ def row_targets(
     """
     B, L, Ht = last_hidden.shape
     rows = last_hidden.reshape(B * L, Ht)[loss_pos - 1]  # [M, Ht]
-    t = compute_targets(
-        rows[None],
-        lm_head_weight,
-        d2t,
-        t2d,
-        norm_weight=norm_weight,
-        norm_eps=norm_eps,
-        chunk=chunk,
-    )
+    t = compute_targets(rows[None], lm_head_weight, d2t, t2d, norm_weight, norm_eps, chunk)
     return TTTTargets(t.logp_draft[0], t.in_draft[0], t.argmax[0])  # [M, dV], [M], [M]
 
 
@@ -95,21 +87,12 @@ def ttt_loss_rows(
         valid = ok & targets.in_draft  # [M]
         rows = (loss_pos - 2 - i).clamp(min=0)  # [M] (rows of invalid entries are never counted)
         hs = h.reshape(B * L, H)[rows]  # [M, H]
-        if checkpoint and torch.is_grad_enabled():
+        args = (drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta)
+        if checkpoint and torch.is_grad_enabled():  # no random numbers: saving the RNG state syncs
             ce, pred = _checkpoint(
-                _row_step_terms,
-                drafter,
-                hs,
-                targets.logp_draft,
-                tgt_draft,
-                loss,
-                lk_eta,
-                use_reentrant=False,
-                preserve_rng_state=False,
-            )  # no random numbers; saving the RNG state syncs
+                _row_step_terms, *args, use_reentrant=False, preserve_rng_state=False
+            )
         else:
-            ce, pred = _row_step_terms(
-                drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta
-            )  # [M], [M]
+            ce, pred = _row_step_terms(*args)  # [M], [M]
         acc.add(i, ce, valid, drafter.draft_to_target(pred) == targets.argmax)
     return acc.result()

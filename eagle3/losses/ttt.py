@@ -224,11 +224,10 @@ def ttt_loss(
             rows = valid.nonzero(as_tuple=True)  # host sync; -> [Nv, H], [Nv, dV], [Nv], [Nv]
             hs, tgt, tgt_am, valid = (x[rows] for x in (hs, tgt, tgt_am, valid))
         tgt_draft = draft_index(tgt_am, drafter.d2t) if loss == "hard_ce" else None
+        args = (drafter, hs, tgt, tgt_draft, loss, lk_eta)
         if checkpoint and torch.is_grad_enabled():
-            ce, pred = _checkpoint(
-                _step_terms, drafter, hs, tgt, tgt_draft, loss, lk_eta, use_reentrant=False
-            )
+            ce, pred = _checkpoint(_step_terms, *args, use_reentrant=False)
         else:
-            ce, pred = _step_terms(drafter, hs, tgt, tgt_draft, loss, lk_eta)
+            ce, pred = _step_terms(*args)
         acc.add(i, ce, valid, drafter.draft_to_target(pred) == tgt_am)
     return acc.result()

@@ -203,16 +203,9 @@ class _Job:
             )
         s = load_sample(path, expect=self.expect)
         h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
-        write_sample(
-            self.dst,
-            idx,
-            self.rows_per_dir,
-            s["input_ids"],
-            hidden_states_bf16(s),
-            s["loss_mask"],
-            self.storage,
-            hasher=h,
-        )
+        ids, mask = s["input_ids"], s["loss_mask"]
+        hs = hidden_states_bf16(s)
+        write_sample(self.dst, idx, self.rows_per_dir, ids, hs, mask, self.storage, hasher=h)
         return {
             "idx": idx,
             "id": self.src_rows.get(idx, {}).get("id", str(idx)),

@@ -61,13 +61,8 @@ class Storage:
         """The ``data_config.json`` keys of this storage."""
         meta = {"storage_dtype": self.dtype}
         if self.is_fp8:
-            meta.update(
-                {
-                    "scale_scheme": self.scale,
-                    "scale_block_size": self.block_size,
-                    "scale_dtype": "float32",
-                }
-            )
+            meta.update(scale_scheme=self.scale, scale_block_size=self.block_size)
+            meta["scale_dtype"] = "float32"
         return meta
 
     @classmethod

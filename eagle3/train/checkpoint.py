@@ -202,19 +202,12 @@ def restore_rng(state: dict) -> None:
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-    np_state = state.get("numpy")
-    if np_state is not None:
+    s = state.get("numpy")
+    if s is not None:
         import numpy as np
 
-        np.random.set_state(
-            (
-                np_state["name"],
-                np_state["keys"].numpy().astype("uint32"),
-                np_state["pos"],
-                np_state["has_gauss"],
-                np_state["cached_gaussian"],
-            )
-        )
+        keys = s["keys"].numpy().astype("uint32")
+        np.random.set_state((s["name"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
 
 
 def _py_state_to_list(s: tuple) -> list:

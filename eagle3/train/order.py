@@ -67,8 +67,8 @@ class TrainData:
         self.token_budget = batch_tokens is not None
         if self.token_budget:
             lengths = batching.sample_lengths(shards_dir, train_ds, train_ds.max_length)
-            self.sampler = batching.TokenBudgetBatchSampler(
-                lengths, batch_tokens, d.world, d.rank, grad_accum, seed
+            self.sampler = batching.TokenBudgetBatchSampler(  # the window read now: tests lower it
+                lengths, batch_tokens, d.world, d.rank, grad_accum, seed, batching.DEFAULT_WINDOW
             )
             self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
             self.total_steps = self.sampler.total_steps(epochs)
