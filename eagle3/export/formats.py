@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-from eagle3.drafter.model import VARIANTS
+from eagle3.drafter.args import VARIANTS
 from eagle3.engines import ENGINES
 from eagle3.errors import UserError
 from eagle3.export import sglang, vllm

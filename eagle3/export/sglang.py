@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from eagle3.drafter.model import DrafterArgs
+from eagle3.drafter.args import DrafterArgs
 from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, MLA_ARCH, variant_keys
 
 log = logging.getLogger(__name__)

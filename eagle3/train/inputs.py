@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eagle3.data.batching import sample_lengths
 from eagle3.data.dataset import ShardDataset
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.mla import mla_drafter_fields
-from eagle3.drafter.model import DrafterArgs
 from eagle3.engines.context import check_context_length
 from eagle3.errors import UserError
 from eagle3.io import make_dirs

@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import EXPORT_META_FILE
-from eagle3.drafter.model import DrafterArgs
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_files, probe_dirs, read_json
 from eagle3.train.metrics import read_metrics

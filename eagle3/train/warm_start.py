@@ -147,7 +147,7 @@ def check_init_from_shape(src: str, exported: dict, args, config_keys: Collectio
         src: the export folder (for the message).
         exported: the export's ``drafter_args`` (``eagle3_train.json``; absent keys take DrafterArgs' defaults:
             ``variant`` eagle3 and ``num_layers`` 1 for exports written before those fields existed).
-        args: this run's :class:`eagle3.drafter.model.DrafterArgs`.
+        args: this run's :class:`eagle3.drafter.args.DrafterArgs`.
         config_keys: the ``drafter.*`` config keys (a differing field is named as one of them, else as taken from
             the verifier and its shards).
 

@@ -574,7 +574,8 @@ def run_setup(tmp_path_factory, tiny_llama_dir):
     """Config YAML for the tiny verifier (bf16 in the config, float32 on CPU), an exported random drafter, prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
     from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 
@@ -1302,7 +1303,8 @@ def test_drafter_of_another_verifier_is_named_before_its_aux_layers(run_setup, t
     error names the verifier mismatch first, then the aux-layer symptom."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
     from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3.drafter.args import MLA_FIELDS, DrafterArgs
 from eagle3.drafter.mla import mla_drafter_fields
-from eagle3.drafter.model import MLA_FIELDS, DrafterArgs, Eagle3Drafter
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export.reader import _args_from_config, load_exported
 from eagle3.export.writer import export_config, export_drafter, export_tensor_names

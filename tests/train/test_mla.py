@@ -11,9 +11,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.attention import rope_inv_freq, rotary_cos_sin, ttt_attention
 from eagle3.drafter.caches import DrafterCache
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter, Eagle3MLAAttention
+from eagle3.drafter.model import Eagle3Drafter, Eagle3MLAAttention
 from eagle3.errors import UserError
 
 H, HEADS = 48, 4
@@ -201,8 +202,8 @@ def test_param_count_helper_sizes_smollm2(capsys):
 
 
 def test_llama_verifier_needs_the_mla_sizes_set():
+    from eagle3.drafter.args import MLA_FIELDS
     from eagle3.drafter.mla import mla_drafter_fields
-    from eagle3.drafter.model import MLA_FIELDS
 
     llama = {"hidden_size": 64, "num_attention_heads": 4}
     with pytest.raises(
