@@ -64,7 +64,8 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
     fields, ``variant`` and ``num_layers``), so a speed figure is of the drafter the config trains: a second layer
     or a wider MLP costs draft time (lease 2026-12-04e: a second layer took the drafter's share of a batch-80 step from
     0.15 to 0.21)."""
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
 
     cfg = (
         verifier.config.get_text_config()

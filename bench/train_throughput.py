@@ -122,7 +122,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import TrainConfig  # noqa: E402
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.losses.ttt import compute_targets  # noqa: E402
 from eagle3.process_group import Dist, process_group_scope  # noqa: E402

@@ -13,3 +13,33 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+_OBJECT_TYPES = ("model_type", "dict_type", "model_attributes_type")
+
+
+def refusal(err, where: str, fix: str = "") -> UserError:
+    """The one-line refusal of a record that failed its pydantic model: the first error of the
+    ``pydantic.ValidationError`` ``err`` as ``<where>: field '<loc>' <what is wrong>, got <value>[; <fix>]``.
+
+    ``where`` names the file and record (``prompts.jsonl:3``); ``loc`` is the field path in the record
+    (``messages[0].tokens[2]``); a record that is not an object at all says so.
+    """
+    e = err.errors(include_url=False)[0]
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
+    value = e.get("input")
+    got = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    if e["type"] in _OBJECT_TYPES:
+        what = f"should be a JSON object, got {type(value).__name__}"
+    elif e["type"] == "missing":
+        what = "is missing"
+    elif e["type"] == "value_error":
+        what = e["msg"].removeprefix("Value error, ")
+    elif e["type"] == "too_short":
+        what = f"should hold at least {e['ctx']['min_length']} item(s), got {got}"
+    elif e["type"] == "list_type":
+        what = f"should be a list, got {got}"
+    else:
+        what = f"{e['msg'].removeprefix('Input ')}, got {got}"
+    head = f"{where}: field '{loc}'" if loc else f"{where}: the record"
+    return UserError(f"{head} {what}" + (f"; {fix}" if fix else ""))

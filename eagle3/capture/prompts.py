@@ -14,16 +14,23 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Literal, Optional
+
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from eagle3.capture.tokenize_pool import map_records
 from eagle3.chat.samples import conversation_samples
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io.read import iter_jsonl, relative_hint
 
 log = logging.getLogger(__name__)
-
-_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -39,46 +46,67 @@ class Sample:
 # ---------------------------------------------------------------------------------------------
 
 
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class PromptMessage(BaseModel):
+    """One message of the prompts file (DESIGN.md "Prompts file"); other keys are not checked.
+
+    ``tokens``: the ids the verifier generated (assistant); ``truncated``: cut at ``prompts.max_new_tokens`` (no loss
+    on the template's end-of-turn token); ``stop_token``: the stop id the verifier ended on.
+    """
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: StrictStr
+    reasoning_content: Optional[StrictStr] = None
+    tool_calls: Optional[list] = None
+    tool_call_id: Optional[StrictStr] = None
+    tokens: Optional[list[TokenId]] = None
+    truncated: Optional[StrictBool] = None
+    stop_token: Optional[TokenId] = None
+
+
+class PromptRecord(BaseModel):
+    """One line of the prompts file 01 writes: ``{"id", "messages", "tools"?}``."""
+
+    id: StrictStr
+    messages: Annotated[list[PromptMessage], Field(min_length=1)]
+    tools: Optional[list] = None
+
+
+PROMPTS_FIX = "the prompts file is 01_prepare_prompts.py's output: re-run it or mend the record"
+
+
 def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[dict]:
-    """Read the 01 prompts file (JSONL ``{"id": str, "messages": [...], "tools"?: [...]}``).
-
-    A message is ``{role: system|user|assistant|tool, content: str}`` plus, optionally,
-    ``reasoning_content: str``, ``tool_calls: list`` (assistant), ``tool_call_id``/``name`` (tool)
-    ``tokens: [int]`` (assistant, the ids the verifier generated), ``truncated: bool`` (assistant, cut at
-    ``prompts.max_new_tokens``: no loss on the template's end-of-turn token) and ``stop_token: int`` (assistant, the
-    stop id the verifier ended it on: no loss on the template's end-of-turn token when that is another id); see
-    DESIGN.md "Prompts file".
-
-    Args:
-        limit: keep only the first ``limit`` records.
+    """The first ``limit`` (None: all) records of the 01 prompts file, each validated as :class:`PromptRecord` and
+    returned as read, plus its ``line``.
 
     Raises:
-        UserError: missing or empty file, malformed JSON, missing/mistyped key or role (``file:line: ...``).
+        UserError: missing or empty file, malformed JSON, a record its model refuses (``file:line: field ...``).
     """
     path = Path(path)
     if not path.is_file():
+        hint = relative_hint(path)
         raise UserError(
             f"{path}: prompts file not found (run 01_prepare_prompts.py first"
-            + (f"; {relative_hint(path)})" if relative_hint(path) else ")")
+            + (f"; {hint})" if hint else ")")
         )
     out: list[dict] = []
     for n, rec in iter_jsonl(path):
         if limit is not None and len(out) >= limit:
             break
-        if not isinstance(rec, dict):
-            raise UserError(f"{path}:{n}: expected a JSON object")
-        if not isinstance(rec.get("id"), str):
-            raise UserError(f"{path}:{n}: key 'id' missing or not a string")
-        msgs = rec.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise UserError(f"{path}:{n}: key 'messages' missing or not a non-empty list")
-        for k, m in enumerate(msgs):
-            _check_message(m, f"{path}:{n}: key 'messages[{k}]")
+        try:
+            PromptRecord.model_validate(rec)
+        except ValidationError as e:
+            raise refusal(e, f"{path}:{n}", PROMPTS_FIX) from e
         tools = rec.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise UserError(f"{path}:{n}: key 'tools' must be a list of tool declarations")
         out.append(
-            {"id": rec["id"], "messages": msgs, "line": n, **({"tools": tools} if tools else {})}
+            {
+                "id": rec["id"],
+                "messages": rec["messages"],
+                "line": n,
+                **({"tools": tools} if tools else {}),
+            }
         )
     if not out:
         raise UserError(
@@ -88,49 +116,11 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
     return out
 
 
-def _check_message(m: Any, where: str) -> None:
-    """Refuse a prompts-file message that is not ``{role, content: str}`` with typed optional keys; ``where``:
-    ``file:line: key 'messages[k]`` (the refusal names the key).
-
-    Raises:
-        UserError: a malformed message.
-    """
-    if (
-        not isinstance(m, dict)
-        or m.get("role") not in _ROLES
-        or not isinstance(m.get("content"), str)
-    ):
-        raise UserError(f"{where}' must be {{role: {'|'.join(_ROLES)}, content: str}}")
-    for key, typ in (
-        ("reasoning_content", str),
-        ("tool_calls", list),
-        ("tool_call_id", str),
-        ("tokens", list),
-        ("truncated", bool),
-    ):
-        if m.get(key) is not None and not isinstance(m[key], typ):
-            raise UserError(f"{where}.{key}' must be a {typ.__name__}")
-    _check_token_list(m.get("tokens"), f"{where}.tokens")
-    if m.get("stop_token") is not None:
-        _check_token_list([m["stop_token"]], f"{where}.stop_token")
-
-
-def _check_token_list(tokens: Optional[list], where: str) -> None:
-    """Refuse an answer's ``tokens`` item that is not a token id (an integer >= 0; ``true`` and ``1.5`` included),
-    naming ``<where>[i]'``."""
-    for i, t in enumerate(tokens or ()):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            at = "'" if where.endswith(".stop_token") else f"[{i}]'"
-            raise UserError(f"{where}{at} must be a token id (an integer >= 0), got {t!r}")
-
-
 def check_token_ids(prompts: list[dict], vocab_size: int, path: Path) -> None:
-    """Refuse a ``tokens`` id at or past the verifier's vocab (``prompts.jsonl`` made with another verifier, or edited
-    by hand): one line naming the file, line and key, before anything is captured (before: an IndexError traceback
-    from the embedding lookup, after the disk plan).
+    """Refuse a ``tokens`` or ``stop_token`` id at or past the verifier's vocab, before anything is captured.
 
     Raises:
-        UserError: ``<path>:<line>: key 'messages[k].tokens[i]' = 99999 is not a token id of this verifier ...``.
+        UserError: ``<path>:<line>: field 'messages[k].tokens[i]' = 99999 is not a token id of this verifier ...``.
     """
     for rec in prompts:
         for k, m in enumerate(rec["messages"]):
@@ -146,7 +136,7 @@ def check_token_ids(prompts: list[dict], vocab_size: int, path: Path) -> None:
                 bad = ("stop_token", m["stop_token"])
             if bad is not None:
                 raise UserError(
-                    f"{path}:{rec['line']}: key 'messages[{k}].{bad[0]}' = {bad[1]} is not a token "
+                    f"{path}:{rec['line']}: field 'messages[{k}].{bad[0]}' = {bad[1]} is not a token "
                     f"id of this verifier (vocab {vocab_size}): were the answers generated by another one? "
                     "Re-run 01_prepare_prompts.py with this verifier"
                 )

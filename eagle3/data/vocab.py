@@ -1,15 +1,7 @@
-"""Draft vocabulary: token frequencies on loss-masked positions and the d2t / t2d maps.
-
-Convention (FIELD-NOTES section 3; SGLang ``hot_token_id = d2t + arange``, vLLM drops ``t2d``):
-
-- keep the ``draft_vocab_size`` target ids that occur most often at loss-masked positions
-  (ties broken by the lower id), sorted by target id ascending;
-- ``d2t``: int64 ``[draft_V]`` offsets, ``target_id = draft_id + d2t[draft_id]``;
-- ``t2d``: bool ``[target_V]``, True where the target id is in the draft vocab;
-- identity map when ``target_V <= draft_vocab_size``: ``draft_V = target_V``, ``d2t`` all zero,
-  ``t2d`` all True.
-
-``vocab_map.pt`` = ``{"d2t", "t2d", "target_vocab_size", "draft_vocab_size"}``.
+"""Draft vocabulary (FIELD-NOTES section 3): the ``draft_vocab_size`` target ids most frequent at loss-masked
+positions (ties: lower id), sorted ascending; ``d2t`` int64 ``[dV]`` offsets (``target = draft + d2t[draft]``),
+``t2d`` bool ``[V]``; identity when ``V <= draft_vocab_size``. ``vocab_map.pt`` = ``{"d2t", "t2d",
+"target_vocab_size", "draft_vocab_size"}``.
 """
 
 from __future__ import annotations
@@ -32,19 +24,11 @@ _FLUSH_TOKENS = 1 << 22  # bincount once per ~4M buffered ids instead of once pe
 def count_token_freq(
     samples: Iterable[Mapping[str, torch.Tensor] | Sequence[torch.Tensor]], vocab_size: int
 ) -> torch.Tensor:
-    """Count target token ids at loss-masked positions.
-
-    Args:
-        samples: iterable of shard dicts (``input_ids`` int ``[L]``, ``loss_mask`` 0/1 ``[L]``)
-            or ``(input_ids, loss_mask)`` pairs.
-        vocab_size: target vocab ``V``.
-
-    Returns:
-        int64 ``[V]`` counts. Vectorised: masked ids are buffered and counted with
-        ``torch.bincount`` every few million tokens (no per-token Python work).
+    """int64 ``[V]`` counts of target ids at loss-masked positions of ``samples`` (shard dicts with ``input_ids`` /
+    ``loss_mask`` ``[L]``, or ``(input_ids, loss_mask)`` pairs), bincounted every few million ids.
 
     Raises:
-        ValueError: a masked id is outside ``0..V-1`` or ids/mask lengths differ.
+        ValueError: an id outside ``0..V-1``, or ids and mask of different lengths.
     """
     freq = torch.zeros(vocab_size, dtype=torch.int64)  # [V]
     buf: list[torch.Tensor] = []
@@ -81,19 +65,10 @@ def count_token_freq(
 
 
 def build_vocab_map(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build the draft vocab from target-token counts.
-
-    Args:
-        freq: int ``[target_V]`` counts (see :func:`count_token_freq`).
-        draft_vocab_size: wanted ``draft_V`` (>= 1).
-
-    Returns:
-        ``(d2t, t2d)``: int64 ``[draft_V]`` offsets (``target = draft + d2t[draft]``) and bool
-        ``[target_V]``. Top ``draft_V`` ids by count, ties broken by lower id, sorted ascending.
-        If ``target_V <= draft_vocab_size``: identity, ``draft_V = target_V``.
+    """``(d2t, t2d)`` of the top ``draft_vocab_size`` ids of ``freq`` (int ``[V]``), per the module convention.
 
     Raises:
-        ValueError: ``freq`` is not 1-D or ``draft_vocab_size < 1``.
+        ValueError: ``freq`` not 1-D or ``draft_vocab_size < 1``.
     """
     if freq.dim() != 1 or draft_vocab_size < 1:
         raise ValueError(
@@ -111,17 +86,8 @@ def build_vocab_map(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Te
     return d2t, t2d
 
 
-def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """int64 ``[draft_V]`` target id of each draft id: ``arange(draft_V) + d2t`` (SGLang ``hot_token_id``)."""
-    return torch.arange(d2t.numel(), dtype=torch.int64) + d2t  # [draft_V]
-
-
 def coverage(freq: torch.Tensor, t2d: torch.Tensor) -> float:
-    """Fraction of counted (loss-masked) target tokens that fall in the draft vocab, in [0, 1].
-
-    Raises:
-        ValueError: shapes differ or no token was counted.
-    """
+    """Fraction of counted target tokens inside the draft vocab; ValueError on a shape mismatch or no count."""
     if freq.shape != t2d.shape:
         raise ValueError(f"coverage: freq {tuple(freq.shape)} vs t2d {tuple(t2d.shape)}")
     total = int(freq.sum())
@@ -131,19 +97,14 @@ def coverage(freq: torch.Tensor, t2d: torch.Tensor) -> float:
 
 
 def save_vocab_map(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-    """Atomically write ``vocab_map.pt`` (``d2t``, ``t2d``, ``target_vocab_size``, ``draft_vocab_size``).
-
-    Raises:
-        UserError: the map fails :func:`check_vocab_map` (nothing is written).
-    """
+    """Atomically write ``vocab_map.pt`` (:func:`vocab_map_record`; UserError before writing a bad map)."""
     path = Path(path)
     atomic_torch_save(vocab_map_record(d2t, t2d, str(path)), path)
     return path
 
 
 def vocab_map_record(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> dict:
-    """What ``vocab_map.pt`` holds: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]`` and both sizes, after
-    :func:`check_vocab_map` (``where`` names the file in its error)."""
+    """``vocab_map.pt``'s dict, after :func:`check_vocab_map` (``where`` names the file)."""
     check_vocab_map(d2t.to(torch.int64), t2d.to(torch.bool), where)
     return {
         "d2t": d2t.to(torch.int64).clone(),
@@ -153,8 +114,7 @@ def vocab_map_record(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> dict:
     }
 
 
-DRAFT_KEY = "data.draft_vocab_size"
-"""The config key that sets the draft vocab size (stage 03 builds the map with it)."""
+DRAFT_KEY = "data.draft_vocab_size"  # the config key of the draft vocab size (stage 03)
 
 
 def _first(mask: torch.Tensor) -> int:
@@ -170,31 +130,14 @@ def check_vocab_map(
     draft_key: str = DRAFT_KEY,
     target_source: str = "this verifier",
 ) -> None:
-    """Check a draft vocab map against the expected sizes and for internal consistency.
-
-    The one validation every reader of a map uses (``vocab_map.pt`` in training and re-export,
-    ``d2t``/``t2d`` of an exported folder in :func:`eagle3.export.reader.load_exported` and the
-    benchmark, :meth:`eagle3.drafter.model.Eagle3Drafter.set_vocab_map`). The format (module docstring,
-    FIELD-NOTES section 3; SGLang ``hot_token_id = d2t + arange``):
-
-    - ``d2t`` int64 ``[draft_V]`` holds offsets; the target ids ``arange(draft_V) + d2t`` lie in
-      ``0..target_V-1``, are distinct and strictly increasing (draft ids sorted by target id);
-    - ``t2d`` bool ``[target_V]`` is True exactly at those target ids.
-
-    Args:
-        d2t, t2d: the two tensors (any device).
-        where: prefix of error messages (a file path, or ``"vocab map"``).
-        target_vocab_size: the verifier vocab the map must be built for (``len(t2d)``).
-        draft_vocab_size: the draft vocab size the configuration asks for (``len(d2t)``).
-        draft_key: the setting that names ``draft_vocab_size`` in messages
-            (``data.draft_vocab_size`` for a run config, or an exported ``config.json`` key).
-        target_source: where ``target_vocab_size`` comes from, for messages.
+    """The one check of every draft vocab map read (``vocab_map.pt``, an export's ``d2t``/``t2d``, the drafter's
+    ``set_vocab_map``): ``d2t`` int64 ``[dV]`` offsets whose target ids ``arange(dV) + d2t`` lie in ``0..V-1``, are
+    distinct and increasing; ``t2d`` bool ``[V]`` True exactly there; sizes equal ``target_vocab_size`` /
+    ``draft_vocab_size`` when given (``draft_key`` and ``target_source`` name them in messages).
 
     Raises:
-        UserError: ``{where}: key 'd2t'|'t2d'|'draft_vocab_size'|'target_vocab_size': ...`` for a
-            wrong type/dtype/rank, a size that differs from the expected one, target ids out of
-            range, duplicated or not increasing (absolute ids instead of offsets are named as
-            such), or a ``t2d`` that marks another set than ``d2t`` describes.
+        UserError: ``{where}: key 'd2t'|'t2d'|'draft_vocab_size'|'target_vocab_size': ...`` (absolute ids instead of
+        offsets are named as such).
     """
     d2t, t2d = _checked_sizes(
         d2t, t2d, where, target_vocab_size, draft_vocab_size, draft_key, target_source
@@ -211,21 +154,14 @@ def _checked_sizes(
     draft_key: str,
     target_source: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`check_vocab_map`'s type, dtype, rank and size checks; returns ``(d2t, t2d)`` on the CPU."""
-    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
-        got = (
-            f"{d2t.dtype} {list(d2t.shape)}"
-            if isinstance(d2t, torch.Tensor)
-            else type(d2t).__name__
-        )
-        raise UserError(f"{where}: key 'd2t': expected a 1-D int64 tensor of offsets, got {got}")
-    if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or t2d.dim() != 1:
-        got = (
-            f"{t2d.dtype} {list(t2d.shape)}"
-            if isinstance(t2d, torch.Tensor)
-            else type(t2d).__name__
-        )
-        raise UserError(f"{where}: key 't2d': expected a 1-D bool tensor, got {got}")
+    """Types, ranks and sizes of :func:`check_vocab_map`; returns ``(d2t, t2d)`` on the CPU."""
+    for key, x, dtype, what in (
+        ("d2t", d2t, torch.int64, "int64 tensor of offsets"),
+        ("t2d", t2d, torch.bool, "bool tensor"),
+    ):
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() != 1:
+            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise UserError(f"{where}: key '{key}': expected a 1-D {what}, got {got}")
     d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
     dv, tv = int(d2t.numel()), int(t2d.numel())
     if target_vocab_size is not None and tv != int(target_vocab_size):
@@ -243,8 +179,7 @@ def _checked_sizes(
 
 
 def _check_offsets(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
-    """:func:`check_vocab_map`'s consistency checks: target ids ``arange(draft_V) + d2t`` in range, distinct,
-    increasing, and exactly the ones ``t2d`` marks (CPU tensors)."""
+    """Consistency of :func:`check_vocab_map` (CPU tensors)."""
     dv, tv = int(d2t.numel()), int(t2d.numel())
     if dv < 1 or dv > tv:
         raise UserError(f"{where}: key 'd2t': {dv} draft ids for a target vocab of {tv}")
@@ -293,18 +228,11 @@ def load_vocab_map(
     draft_vocab_size: int | None = None,
     draft_key: str = DRAFT_KEY,
 ) -> dict:
-    """Load and check ``vocab_map.pt`` (:func:`check_vocab_map`).
-
-    Args:
-        target_vocab_size / draft_vocab_size: if given, the sizes the map must have been built for.
-        draft_key: the setting that asked for ``draft_vocab_size`` (named in the error).
-
-    Returns:
-        ``{"d2t": int64 [draft_V], "t2d": bool [target_V], "target_vocab_size", "draft_vocab_size"}``.
+    """``vocab_map.pt`` as ``{"d2t", "t2d", "target_vocab_size", "draft_vocab_size"}``, checked (:func:`check_vocab_map`
+    with the given sizes; ``draft_key`` names the setting).
 
     Raises:
-        UserError (naming the file and key): unreadable/unsafe file, missing key, recorded sizes
-        that differ from the tensors, or any :func:`check_vocab_map` failure.
+        UserError (file and key): unreadable file, missing key, recorded sizes unlike the tensors', a bad map.
     """
     path = Path(path)
     obj = safe_torch_load(path)
@@ -331,18 +259,8 @@ def load_vocab_map(
 def load_run_vocab_map(
     data_dir: str | os.PathLike, draft_vocab_size: int, target_vocab_size: int
 ) -> dict:
-    """``{data_dir}/vocab_map.pt`` (stage 03's), checked against the configured and the shards' sizes.
-
-    The map must have ``draft_vocab_size`` draft ids (stage 03 refuses sizes above the target vocab, so no clamping
-    applies) and ``target_vocab_size`` target ids.
-
-    Args:
-        data_dir: stage 03's output folder (``data_dir``).
-        draft_vocab_size: ``data.draft_vocab_size`` of the run.
-        target_vocab_size: the verifier vocab recorded in the shards' ``data_config.json``.
-
-    Raises:
-        UserError: as :func:`load_vocab_map`; a size mismatch names ``data.draft_vocab_size``.
+    """Stage 03's ``{data_dir}/vocab_map.pt`` with ``draft_vocab_size`` (``data.draft_vocab_size``) draft ids and
+    ``target_vocab_size`` (the shards' verifier vocab) target ids; UserError as :func:`load_vocab_map`.
     """
     return load_vocab_map(
         Path(data_dir) / VOCAB_MAP,

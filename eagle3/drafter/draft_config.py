@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.drafter.model import DrafterArgs
+from eagle3.drafter.args import DrafterArgs
 
 DEFAULT_EXPORT_DTYPE = torch.bfloat16
 #: An export folder's own metadata file (HF aux layers, engine ids, verifier, drafter_args, trained_from): written by

@@ -1,7 +1,7 @@
 """The MLA draft layer's sizes (``drafter.attention: mla``): where they come from, and the parameter counts that
 size it against the Llama-style layer.
 
-Sizes (:data:`eagle3.drafter.model.MLA_FIELDS`): each ``drafter.mla.*`` value that is set wins; a null one is the
+Sizes (:data:`eagle3.drafter.args.MLA_FIELDS`): each ``drafter.mla.*`` value that is set wins; a null one is the
 verifier's when the verifier is an MLA model (:func:`eagle3.verifier.arch.mla_sizes`), else ``q_lora_rank`` null =
 a plain ``q_proj``, ``rope_interleave`` null = true, and any other null is refused (a Llama verifier has no latent
 sizes to copy). The layer's heads are ``drafter.num_attention_heads`` (null: the verifier's); ``num_key_value_heads``
@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-from eagle3.drafter.model import MLA_FIELDS, DrafterArgs, Eagle3DecoderLayer
+from eagle3.drafter.args import MLA_FIELDS, DrafterArgs
+from eagle3.drafter.model import Eagle3DecoderLayer
 from eagle3.errors import UserError
 from eagle3.verifier.arch import mla_rope_scaling, mla_sizes
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, llama_config
-from eagle3.drafter.model import DrafterArgs
 from eagle3.engines import spelled
 from eagle3.errors import UserError
 from eagle3.verifier.load import serving_context_length

@@ -22,8 +22,9 @@ import logging
 import torch
 
 from eagle3.data.vocab import check_vocab_map
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import EXPORT_META_FILE
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 
 log = logging.getLogger(__name__)

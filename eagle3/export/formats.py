@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-from eagle3.drafter.model import VARIANTS
+from eagle3.drafter.args import VARIANTS
 from eagle3.engines import ENGINES
 from eagle3.errors import UserError
 from eagle3.export import sglang, vllm
@@ -70,6 +70,18 @@ def check_engine_serves(engine: str, variant: str, mla: Optional[dict] = None) -
             f"export.engine: {engine} cannot serve an {variant} drafter (its EAGLE-3 model code has no "
             f"{variant} layers); export for {' or '.join(sorted(serving))}, or train with drafter.variant: eagle3"
         )
+
+
+def check_config_serves(engine: str, attention: str, mla_given: dict) -> None:
+    """04's refusal before training of an MLA drafter the ``engine`` cannot serve, from the ``drafter.mla`` sizes
+    the config sets (``mla_given``: field -> value, None = the verifier's: judged at the export, by
+    :func:`check_engine_serves`, once the verifier has filled it in).
+
+    Raises:
+        UserError: as :func:`check_engine_serves`.
+    """
+    if attention == "mla":
+        check_engine_serves(engine, "eagle3", {k: v for k, v in mla_given.items() if v is not None})
 
 
 def format_of(cfg: dict, path: Path) -> ModuleType:

@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eagle3.data.vocab import check_vocab_map
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import ENGINES, LABELS, others, spelled
 from eagle3.engines.layers import engine_layer_ids, hf_layers_from_engine, layer_id_convention
 from eagle3.errors import UserError

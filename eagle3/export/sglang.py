@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from eagle3.drafter.model import DrafterArgs
+from eagle3.drafter.args import DrafterArgs
 from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, MLA_ARCH, variant_keys
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ IDS_KEY = "eagle_config.eagle_aux_hidden_state_layer_ids"
 def mla_refusal(mla: dict) -> Optional[str]:
     """Why SGLang 0.5.23 cannot build an MLA drafter of these sizes (None: it can): ``kimi_k25_eagle3.py``
     ``Eagle3MLADecoderLayer`` raises without ``q_lora_rank`` (it fuses ``q_a_proj`` with ``kv_a_proj_with_mqa``)."""
-    if mla.get("q_lora_rank") is None:
+    if "q_lora_rank" in mla and mla["q_lora_rank"] is None:
         return "its kimi_k25_eagle3.py needs q_lora_rank (a q_a_proj); set drafter.mla.q_lora_rank"
     return None
 

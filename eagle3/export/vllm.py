@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from eagle3.drafter.model import DrafterArgs
+from eagle3.drafter.args import DrafterArgs
 from eagle3.errors import UserError
 from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, MLA_ARCH, need, variant_keys
 
@@ -52,7 +52,7 @@ def mla_refusal(mla: dict) -> Optional[str]:
     mapper renames ``kv_a_proj_with_mqa`` to the fused ``fused_qkv_a_proj`` (shard 1), which
     ``DeepseekV2MLAAttention`` creates only with ``q_lora_rank`` set; and it builds its rotary embedding with
     ``is_neox_style=False`` (interleaved pairs) whatever the config says."""
-    if mla.get("q_lora_rank") is None:
+    if "q_lora_rank" in mla and mla["q_lora_rank"] is None:
         return "its deepseek_eagle3.py loads kv_a_proj_with_mqa into a fused q_a projection; set drafter.mla.q_lora_rank"
     if not mla.get("rope_interleave", True):
         return "its deepseek_v2.py rotates interleaved pairs only; set drafter.mla.rope_interleave: true"

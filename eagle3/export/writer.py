@@ -24,8 +24,9 @@ from typing import Optional
 
 import torch
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, draft_layer_config
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import ENGINES, LABELS, others, spelled
 from eagle3.engines.context import check_context_length
 from eagle3.engines.layers import check_aux_layers, engine_layer_ids, layer_id_convention

@@ -1,19 +1,12 @@
-"""The per-token losses of ``train.loss``, one registry by name (:data:`LOSSES`): for each, the reference form
-(plain autograd, :func:`token_loss`) and the fused row kernel training uses (hand-written backward, few passes over
-``[M, draft_V]``; :func:`row_loss`), side by side. Both give the same values; the reference is what the kernels are
-tested against.
+"""The per-token losses of ``train.loss`` by name (:data:`LOSSES`): each as a reference form (plain autograd,
+:func:`token_loss`) and the fused row kernel training uses (hand-written backward, :func:`row_loss`); the kernels
+are tested against the references.
 
-``p = exp(tgt_logp)`` is the verifier distribution over the draft vocab (renormalised, DESIGN.md "TTT indexing"),
-``q = softmax(logits)`` the drafter's, ``alpha = sum_v min(p_v, q_v)`` their overlap (the acceptance probability of
-speculative sampling, Leviathan et al. 2023):
-
-- ``soft_ce``: ``-sum_v p_v log q_v`` (EAGLE-3, SpecForge, the default);
-- ``hard_ce``: ``-log q_y`` with ``y`` = the verifier's argmax (``tgt_draft``, as a draft id; speculators ``ce``);
-- ``tv``: ``1 - alpha`` (total variation; speculators ``tv``);
-- ``lk_hybrid``: ``lam * KL(p||q) + (1 - lam) * (1 - alpha)`` with ``lam = exp(-lk_eta * sg(alpha))`` per token
-  (arXiv 2602.23881 "LK losses", hybrid objective; the per-token form of speculators ``lk_hybrid_loss``. SpecForge's
-  ``lk_loss_type: lambda`` takes ``lam`` from the batch-mean alpha, which is not a sum over tokens and so would break
-  the step normalisation of DESIGN.md).
+With ``p = exp(tgt_logp)`` (verifier, draft vocab, renormalised), ``q = softmax(logits)`` and the overlap
+``alpha = sum_v min(p_v, q_v)`` (speculative sampling's acceptance probability):
+``soft_ce`` ``-sum_v p_v log q_v`` (EAGLE-3, default); ``hard_ce`` ``-log q_y``, ``y`` the verifier argmax as a
+draft id; ``tv`` ``1 - alpha``; ``lk_hybrid`` ``lam * KL(p||q) + (1 - lam)(1 - alpha)``, ``lam =
+exp(-lk_eta * sg(alpha))`` per token (arXiv 2602.23881; per token so that the step normalisation holds).
 """
 
 from __future__ import annotations
@@ -27,8 +20,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-LK_ETA = 3.0
-"""Default ``eta`` of ``lk_hybrid`` (arXiv 2602.23881's best hybrid setting; speculators ``lk_hybrid_loss``)."""
+LK_ETA = 3.0  # default eta of lk_hybrid (arXiv 2602.23881's best hybrid setting)
 
 
 # ---- reference forms: (logq [..., V], p [..., V], tgt_logp [..., V], y [...] | None, eta) -> loss [...] ----
@@ -54,8 +46,7 @@ def _lk_hybrid_ref(logq, p, tgt_logp, y, eta):
 
 # ---- fused row kernels: float32 math on [M, V] logits, [M] statistics saved for the backward ----
 def _soft_ce_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor):
-    """``ce = sum_j p_j (lse - x_j)`` with ``p = exp(tgt_logp)``, ``x`` = logits in float32; also ``lse``,
-    ``sum_j p_j`` and the argmax. ``[M, V]`` -> ``[M]`` x 4."""
+    """``ce = sum_j p_j (lse - x_j)``, ``lse``, ``sum_j p_j``, argmax: ``[M, V]`` -> ``[M]`` x 4 (float32)."""
     x = logits.float()  # [M, V]
     lse = torch.logsumexp(x, dim=-1)  # [M]
     p = tgt_logp.exp()  # [M, V]
@@ -93,8 +84,7 @@ def _hard_ce_bwd(
 
 
 def _overlap_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lk: bool, eta: float):
-    """``tv``: ``1 - alpha``; ``lk``: ``lam * KL(p||q) + (1 - lam)(1 - alpha)``, ``lam = exp(-eta alpha)``
-    (:func:`token_loss`). Returns the loss, ``lse``, ``psum``, ``lam`` (zeros for ``tv``), argmax, all ``[M]``."""
+    """``tv`` / ``lk_hybrid`` (``lk``) loss, ``lse``, ``psum``, ``lam`` (zeros for ``tv``), argmax, all ``[M]``."""
     x = logits.float()  # [M, V]
     lse = torch.logsumexp(x, dim=-1)  # [M]
     logq = x - lse[:, None]  # [M, V]
@@ -117,10 +107,9 @@ def _overlap_bwd(
     g: torch.Tensor,
     lk: bool,
 ) -> torch.Tensor:
-    """Gradient of :func:`_overlap_fwd`'s loss in ``x``, times ``g`` ``[M]``.
-
-    ``d(1 - alpha)/dx_j = q_j (a - 1[q_j < p_j])`` with ``a = sum_v q_v 1[q_v < p_v]`` (``d alpha / d q_v =
-    1[q_v < p_v]``, through the softmax Jacobian); ``d KL / dx_j = q_j sum(p) - p_j``."""
+    """Gradient of :func:`_overlap_fwd` in ``x`` times ``g`` ``[M]``: ``d(1 - alpha)/dx_j = q_j (a - 1[q_j < p_j])``,
+    ``a = sum_v q_v 1[q_v < p_v]``; ``d KL / dx_j = q_j sum(p) - p_j``.
+    """
     q = torch.exp(logits.float() - lse[:, None])  # [M, V]
     p = tgt_logp.exp()  # [M, V]
     below = (q < p).to(q.dtype)  # [M, V]
@@ -135,9 +124,9 @@ _COMPILED: dict = {}
 
 
 def _kernel(fn, device: torch.device):
-    """``fn`` ``torch.compile``-d (dynamic M) on CUDA so it becomes one or two fused kernels; plain eager on
-    CPU. A compile failure (no inductor backend, a dynamo error at the first call) falls back to eager once
-    and for good: the functions are pure, so the eager result is the same."""
+    """``fn`` ``torch.compile``-d (dynamic M) on CUDA, eager on CPU; a compile failure falls back to eager for good
+    (the functions are pure).
+    """
     if device.type != "cuda":
         return fn
     if fn not in _COMPILED:
@@ -214,11 +203,9 @@ LOSSES: dict[str, TokenLoss] = {
     "tv": TokenLoss(_tv_ref, _overlap_rows(False), _overlap_rows_bwd(False)),
     "lk_hybrid": TokenLoss(_lk_hybrid_ref, _overlap_rows(True), _overlap_rows_bwd(True)),
 }
-"""The per-token losses of ``train.loss`` by name; ``soft_ce`` is the EAGLE-3 paper's."""
 
 
 def _spec(loss: str, tgt_draft: Optional[torch.Tensor]) -> TokenLoss:
-    """``LOSSES[loss]``; ValueError for an unknown name, or ``hard_ce`` without ``tgt_draft``."""
     spec = LOSSES.get(loss)
     if spec is not None and spec.needs_argmax and tgt_draft is None:
         raise ValueError("hard_ce needs the draft id of the verifier's argmax (tgt_draft)")
@@ -234,14 +221,8 @@ def token_loss(
     loss: str = "soft_ce",
     lk_eta: float = LK_ETA,
 ) -> torch.Tensor:
-    """The per-token training loss ``loss`` in its reference form (plain autograd), float32 ``[...]``.
-
-    Args:
-        logits: ``[..., draft_V]`` draft logits (any float dtype; math in float32).
-        tgt_logp: ``[..., draft_V]`` float32 verifier log-probs over the draft vocab.
-        tgt_draft: int64 ``[...]`` draft id of the verifier's argmax (``hard_ce`` only).
-        loss: a name of :data:`LOSSES`.
-        lk_eta: ``eta`` of ``lk_hybrid``.
+    """The per-token loss ``loss`` (a :data:`LOSSES` name) in its reference form, float32 ``[...]``, from ``logits``
+    and ``tgt_logp`` ``[..., dV]``; ``tgt_draft`` int64 ``[...]`` only for ``hard_ce``.
 
     Raises:
         ValueError: unknown ``loss``, or ``hard_ce`` without ``tgt_draft``.
@@ -254,19 +235,14 @@ def token_loss(
 
 
 class _RowLoss(torch.autograd.Function):
-    """A per-row loss of draft logits against the verifier targets (the fused kernel of a :data:`LOSSES` entry).
-
-    Saves only the logits (bf16 under autocast), the targets already alive and ``[M]`` statistics, instead
-    of autograd's float32 copies, softmaxes and products (``[M, V]`` each, for every TTT step).
+    """The fused kernel of a :data:`LOSSES` entry: saves the logits, the targets and ``[M]`` statistics instead of
+    autograd's float32 ``[M, V]`` intermediates.
     """
 
     @staticmethod
     def forward(ctx, logits, tgt_logp, y, kind: str, eta: float):
-        spec = LOSSES.get(kind)
-        if spec is None:
-            raise ValueError(f"unknown loss {kind!r}")
+        spec = LOSSES[kind]
         ctx.spec, ctx.eta = spec, eta
-        # float32 math as written
         with torch.autocast(device_type=logits.device.type, enabled=False):
             loss, pred, saved = spec.rows_forward(logits, tgt_logp, y, eta, logits.device)
         ctx.save_for_backward(*saved)
@@ -290,18 +266,8 @@ def row_loss(
     loss: str = "soft_ce",
     lk_eta: float = LK_ETA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss float32 ``[M]`` (:func:`token_loss`, same values) and the logits' argmax int64 ``[M]``;
-    gradient only to ``logits`` (the targets are constants), by the fused kernel's hand-written backward.
-
-    Args:
-        logits: ``[M, V]`` draft logits (any float dtype).
-        tgt_logp: ``[M, V]`` float32 verifier log-probs over the draft vocab.
-        tgt_draft: int64 ``[M]`` draft id of the verifier argmax (``hard_ce``; :func:`eagle3.losses.ttt.draft_index`).
-        loss / lk_eta: see :func:`token_loss`.
-
-    Raises:
-        ValueError: unknown ``loss``, or ``hard_ce`` without ``tgt_draft``.
+    """Per-row loss float32 ``[M]`` (the values of :func:`token_loss`) and the argmax int64 ``[M]`` of ``logits``
+    ``[M, V]``; gradient to ``logits`` only. Raises ValueError as :func:`token_loss`.
     """
-    if loss == "hard_ce" and tgt_draft is None:
-        raise ValueError("hard_ce needs the draft id of the verifier's argmax (tgt_draft)")
+    _spec(loss, tgt_draft)
     return _RowLoss.apply(logits, tgt_logp.detach(), tgt_draft, loss, float(lk_eta))

@@ -1,18 +1,10 @@
-"""Training-time test (TTT): the attention pattern, the verifier targets and the EAGLE-3 loss.
+"""Training-time test (TTT): the verifier targets, the counted positions and the step-normalised EAGLE-3 loss.
 
-All indexing follows DESIGN.md "TTT indexing": drafter step ``i`` at position ``t`` predicts
-``x_{t+2+i}``; its target is the verifier distribution ``p_{t+1+i}`` restricted to the draft
-vocabulary and renormalised; it is counted iff ``t+2+i <= L-1``, ``loss_mask[t+2+i] == 1`` and the
-verifier's full-vocab argmax at ``t+1+i`` lies in the draft vocabulary. Step ``i`` is weighted
-``step_weight ** i`` (0.8 in the EAGLE-3 paper, arXiv 2503.01840, and SpecForge).
-
-Normalisation over an optimizer step (DESIGN.md "Loss normalisation"): the loss of step ``i`` is the
-sum of the per-token cross-entropies over the counted positions of the WHOLE optimizer step (every
-micro-batch of gradient accumulation, every DDP rank) divided by the number of those positions. A
-trainer counts them up front with :func:`ttt_token_counts`, turns the counts of all its micro-batches
-into per-step denominators with :func:`step_denominators` (one all-reduce per optimizer step), and
-passes them to :func:`ttt_loss` as ``denom``; the gradient is then independent of how the step's
-samples are split into micro-batches and ranks.
+Indexing (DESIGN.md "TTT indexing"): step ``i`` at position ``t`` predicts ``x_{t+2+i}`` against the verifier's
+``p_{t+1+i}`` restricted to the draft vocab; counted iff ``t+2+i <= L-1``, ``loss_mask[t+2+i]`` and the verifier
+argmax at ``t+1+i`` is in the draft vocab; weighted ``step_weight ** i``. Normalisation (DESIGN.md "Loss
+normalisation"): step ``i``'s summed loss over the whole optimizer step (micro-batches, ranks) over its count,
+via :func:`ttt_token_counts` -> :func:`step_denominators` -> ``denom``.
 """
 
 from __future__ import annotations
@@ -26,11 +18,9 @@ from eagle3.losses.token import LK_ETA, token_loss
 
 
 class TTTTargets(NamedTuple):
-    """Verifier targets for one batch, computed once per token (see :func:`compute_targets`)."""
+    """Verifier targets of one batch (:func:`compute_targets`)."""
 
-    logp_draft: (
-        torch.Tensor
-    )  # [B, L, draft_V] float32 log-probs over the draft vocab (renormalised)
+    logp_draft: torch.Tensor  # [B, L, dV] float32 log-probs over the draft vocab (renormalised)
     in_draft: torch.Tensor  # [B, L] bool: full-vocab argmax is in the draft vocab
     argmax: torch.Tensor  # [B, L] int64: full-vocab argmax (verifier id)
 
@@ -52,32 +42,18 @@ def compute_targets(
     norm_eps: float = 1e-6,
     chunk: int = 1024,
 ) -> TTTTargets:
-    """Verifier next-token targets from its last hidden state, restricted to the draft vocab.
-
-    ``logits = lm_head(norm(last))`` (the norm only when ``norm_weight`` is given, i.e. the captured
-    last state is pre-norm; HF ``hidden_states[-1]`` of Llama is already post-norm). The matmul runs
-    in ``lm_head_weight``'s dtype and is read in float32. Processed ``chunk`` tokens at a time so that
-    full-vocab logits exist for at most ``chunk`` tokens.
-
-    Args:
-        last_hidden: ``[B, L, Ht]`` verifier last hidden state.
-        lm_head_weight: ``[V, Ht]``.
-        d2t: int64 ``[draft_V]`` offsets (draft id ``d`` is verifier id ``d + d2t[d]``).
-        t2d: bool ``[V]``.
-        norm_weight: ``[Ht]`` verifier final RMSNorm weight, or None.
-        norm_eps: its epsilon.
-        chunk: tokens per chunk.
+    """Verifier targets from its last hidden state ``[B, L, Ht]``: ``logits = lm_head(norm(last))`` (the RMSNorm only
+    when ``norm_weight`` ``[Ht]`` is given: a pre-norm state), matmul in ``lm_head_weight``'s dtype (``[V, Ht]``),
+    ``chunk`` tokens at a time. ``d2t`` int64 ``[dV]`` offsets, ``t2d`` bool ``[V]``.
 
     Returns:
-        :class:`TTTTargets` ``(logp_draft [B, L, draft_V] float32, in_draft [B, L] bool, argmax [B, L] int64)``;
-        ``logp_draft = log_softmax(logits[..., arange(draft_V) + d2t])``.
+        ``(logp_draft [B, L, dV] float32 = log_softmax(logits[..., arange(dV) + d2t]), in_draft [B, L] bool,
+        argmax [B, L] int64)``.
     """
     B, L, Ht = last_hidden.shape
     dev = last_hidden.device
     W = lm_head_weight.to(dev)
-    cols = torch.arange(d2t.shape[0], device=dev) + d2t.to(
-        dev
-    )  # [draft_V] verifier ids of draft ids
+    cols = torch.arange(d2t.shape[0], device=dev) + d2t.to(dev)  # [dV] verifier ids of draft ids
     t2d = t2d.to(dev)
     flat = last_hidden.reshape(B * L, Ht)  # [N, Ht]
     N = flat.shape[0]
@@ -106,48 +82,25 @@ def _valid_positions(loss_mask: torch.Tensor, in_draft: torch.Tensor, i: int) ->
 def ttt_token_counts(
     loss_mask: torch.Tensor, in_draft: torch.Tensor, ttt_length: int
 ) -> torch.Tensor:
-    """Number of counted positions of each TTT step in one (micro-)batch, without the drafter.
-
-    The same rule as :func:`ttt_loss` (DESIGN.md "TTT indexing"): step ``i`` counts position ``t``
-    iff ``t + 2 + i <= L - 1``, ``loss_mask[:, t+2+i] == 1`` and ``in_draft[:, t+1+i]``.
-
-    Args:
-        loss_mask: ``[B, L]`` int/bool, 1 on assistant tokens (0 on padding).
-        in_draft: ``[B, L]`` bool, :attr:`TTTTargets.in_draft` of the same batch.
-        ttt_length: number of TTT steps ``K``.
-
-    Returns:
-        int64 ``[K]`` on ``loss_mask``'s device (no host sync).
+    """Counted positions of each TTT step (:func:`_valid_positions`): int64 ``[K]`` on ``loss_mask``'s device, no host
+    sync. ``loss_mask`` ``[B, L]`` (0 on padding), ``in_draft`` ``[B, L]`` bool.
     """
     return torch.stack(
         [_valid_positions(loss_mask, in_draft, i).sum() for i in range(ttt_length)]
     )  # [K]
 
 
-def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=None) -> torch.Tensor:
-    """Per-TTT-step loss denominators for every micro-batch of one optimizer step.
-
-    ``N_i`` = the counted positions of step ``i`` summed over the micro-batches in ``counts`` and,
-    when ``world_size > 1``, over all ranks (ONE ``all_reduce`` of a ``[K]`` tensor per optimizer
-    step, on ``group``: on CUDA tensors it is queued on the device, no host sync). Returns
-    ``max(N_i, 1) / world_size``: a micro-batch loss ``sum_i w**i * S_i / denom_i`` (``S_i`` its
-    summed cross-entropy of step ``i``) then makes the DDP-averaged, micro-batch-summed gradient equal
-    the gradient of ``sum_i w**i * (sum of all S_i) / N_i`` (DDP divides gradients by ``world_size``,
-    which the denominator multiplies back). Steps with no counted position anywhere contribute 0.
-
-    Args:
-        counts: :func:`ttt_token_counts` of each micro-batch of this rank (int64 ``[K]`` each).
-        world_size: number of DDP ranks (every rank must call this, with the same ``K``).
-        group: ``torch.distributed`` process group (None = the default group).
-
-    Returns:
-        float32 ``[K]`` on the device of ``counts``.
+def step_denominators(counts: list[torch.Tensor], world_size: int = 1) -> torch.Tensor:
+    """Per-TTT-step denominators ``max(N_i, 1) / world_size``, float32 ``[K]``: ``N_i`` sums ``counts`` (int64 ``[K]``
+    per micro-batch) over the micro-batches and, with ``world_size > 1``, over ranks (one all-reduce,
+    no host sync). Dividing by ``world_size`` undoes DDP's gradient averaging, so the step's gradient is that of
+    ``sum_i w**i * S_i / N_i`` however the samples are split. Every rank must call it with the same ``K``.
     """
     total = torch.stack(list(counts)).sum(0).to(torch.float64)  # [K]
     if world_size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total)
     return (total.clamp(min=1) / world_size).float()  # [K]
 
 
@@ -179,13 +132,8 @@ def step_metrics(
     corrects: list[torch.Tensor],
     counts: list[torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Per-TTT-step metrics as device tensors (no host sync), one entry per step ``[K]``.
-
-    Args: per step i: ``losses[i]`` its (normalised) loss, ``sums[i]`` the summed token cross-entropy,
-    ``corrects[i]`` / ``counts[i]`` top-1 hits and counted tokens (0-dim tensors).
-
-    Returns:
-        ``{"loss", "ce_sum", "acc" (= correct / max(count, 1)), "correct", "count"}``, each ``[K]``.
+    """Per-step 0-dim tensors stacked to ``{"loss", "ce_sum", "acc" (correct / max(count, 1)), "correct", "count"}``,
+    each ``[K]``, no host sync.
     """
     counts_t = torch.stack(counts)  # [K]
     corrects_t = torch.stack(corrects)  # [K]
@@ -199,10 +147,9 @@ def step_metrics(
 
 
 class StepSums:
-    """The TTT loss of one batch, summed step by step (:func:`ttt_loss`, :func:`eagle3.losses.rows.ttt_loss_rows`):
-    ``total = sum_i step_weight**i * S_i / D_i`` with ``D_i`` = ``denom[i]`` when given (the optimizer step's,
-    :func:`step_denominators`), else ``max(1, count_i)`` (the batch's own mean); :meth:`result` adds the per-step
-    metrics (:func:`step_metrics`)."""
+    """One batch's TTT loss ``sum_i step_weight**i * S_i / D_i``, ``D_i`` = ``denom[i]`` or ``max(1, count_i)`` (the
+    batch's own mean); :meth:`result` returns ``(loss, step_metrics)``.
+    """
 
     def __init__(self, dev: torch.device, step_weight: float, denom: Optional[torch.Tensor]):
         self.total = torch.zeros((), dtype=torch.float32, device=dev)
@@ -210,7 +157,7 @@ class StepSums:
         self.losses, self.sums, self.corrects, self.counts = [], [], [], []
 
     def add(self, i: int, ce: torch.Tensor, valid: torch.Tensor, hit: torch.Tensor) -> None:
-        """Step ``i``: per-position loss ``ce``, counted positions ``valid`` (bool), top-1 ``hit`` (bool), same shape."""
+        """Step ``i``: per-position loss ``ce``, counted ``valid`` and top-1 ``hit`` (bool), same shape."""
         cnt = valid.sum()
         ce_sum = (ce * valid).sum()  # S_i
         step_loss = ce_sum / cnt.clamp(min=1)
@@ -247,28 +194,18 @@ def ttt_loss(
     loss: str = "soft_ce",
     lk_eta: float = LK_ETA,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """EAGLE-3 TTT loss (the reference over every position): weighted sum over steps of the mean per-token loss
-    (``loss``, :data:`eagle3.losses.token.LOSSES`). For step ``i`` position ``t`` is valid iff ``t + 2 + i <= L - 1``,
-    ``loss_mask[:, t+2+i] == 1`` and ``targets.in_draft[:, t+1+i]``; ``S_i = sum_valid CE(p_{t+1+i}, q_{i,t})`` and
-    ``loss = sum_i step_weight**i * S_i / denom_i`` (:class:`StepSums`: this batch's mean over its valid positions,
-    or the given ``denom`` of the whole optimizer step). Accuracy of step ``i``: the drafter argmax mapped through
-    ``d2t`` equals the verifier's full-vocab argmax at ``t+1+i``, over the valid positions.
+    """The reference EAGLE-3 TTT loss over every position (:class:`StepSums` of :func:`eagle3.losses.token.token_loss`
+    at the counted positions; accuracy: ``draft_to_target(argmax) == targets.argmax`` at ``t+1+i``).
 
     Args:
-        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` (uses ``compute_logits`` and ``d2t``).
-        step_hiddens: output of ``ttt_forward``.
-        targets: :func:`compute_targets` output for the same batch.
-        loss_mask: ``[B, L]`` int/bool, 1 on assistant tokens.
-        step_weight: weight base (``train.step_weight``).
-        checkpoint: activation-checkpoint the logits/CE of each step.
-        compact: logits only at the valid positions (same sums; the gather syncs the host, so ``None`` = on for
-            CPU tensors only).
-        denom: float ``[K]`` per-step denominators (:func:`step_denominators`), or None.
-        loss / lk_eta: the per-token loss (:func:`eagle3.losses.token.token_loss`); ``ce_sum`` sums it.
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter`; ``step_hiddens``: its ``ttt_forward`` (K x [B, L, H]).
+        targets: :func:`compute_targets` of the batch; ``loss_mask``: ``[B, L]``, 1 on assistant tokens.
+        checkpoint: recompute each step's logits in backward.
+        compact: logits only at the counted positions (same sums; syncs the host; None = on for CPU tensors).
+        denom: float ``[K]`` (:func:`step_denominators`) or None (this batch's means).
 
     Returns:
-        ``(loss, metrics)``: scalar float32 loss (differentiable) and detached ``[K]`` tensors, no host sync:
-        ``loss`` (this batch's mean per step), ``ce_sum`` (``S_i``), ``acc``, ``correct`` and ``count`` (int64).
+        ``(loss scalar float32, metrics)``: detached ``[K]`` ``loss``, ``ce_sum``, ``acc``, ``correct``, ``count``.
     """
     B, L = loss_mask.shape
     dev = step_hiddens[0].device
@@ -287,11 +224,10 @@ def ttt_loss(
             rows = valid.nonzero(as_tuple=True)  # host sync; -> [Nv, H], [Nv, dV], [Nv], [Nv]
             hs, tgt, tgt_am, valid = (x[rows] for x in (hs, tgt, tgt_am, valid))
         tgt_draft = draft_index(tgt_am, drafter.d2t) if loss == "hard_ce" else None
+        args = (drafter, hs, tgt, tgt_draft, loss, lk_eta)
         if checkpoint and torch.is_grad_enabled():
-            ce, pred = _checkpoint(
-                _step_terms, drafter, hs, tgt, tgt_draft, loss, lk_eta, use_reentrant=False
-            )
+            ce, pred = _checkpoint(_step_terms, *args, use_reentrant=False)
         else:
-            ce, pred = _step_terms(drafter, hs, tgt, tgt_draft, loss, lk_eta)
+            ce, pred = _step_terms(*args)
         acc.add(i, ce, valid, drafter.draft_to_target(pred) == tgt_am)
     return acc.result()

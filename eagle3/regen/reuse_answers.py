@@ -1,20 +1,11 @@
-"""Answers of an earlier regeneration reused by stage 01 (``prompts.reuse_answers``).
+"""Answers of an earlier regeneration reused by stage 01 (``prompts.reuse_answers``, needs ``prompts.regenerate``).
 
-Growing a regenerated data set (the data curve 17K -> 50K -> 100K, a new source such as ``01 --self-instruct``) used
-to mean regenerating every conversation again, since any change of ``prompts.source`` changes 01's settings. With
-``prompts.reuse_answers: <an earlier prompts.jsonl[.gz]>`` a conversation whose non-answer content equals one in
-that file takes that file's regenerated conversation (with this run's id for it), and only the others are
-regenerated; the output order is 01's as always. It needs ``prompts.regenerate: true`` (a config error otherwise).
-
-Two conversations match when their messages are equal without the assistant answers (an assistant message with
-``tool_calls`` kept as its role and calls: the answer text is what regeneration replaces, and a prompt-only input
-gets its answer appended), and their ``tools`` are equal. The earlier file's
-``prompts_report.json`` (beside it) must record the same regeneration settings (:data:`REGEN_KEYS` of 01's
-settings: verifier, dtype and weights (``verifier_weights``, in-process), answer budget, context cap, chat template and its arguments, reply start, think tags,
-the endpoint sampling), else 01 refuses in one line naming the first differing key: its answers would not be what
-this run produces. A conversation the context cap shortened in the earlier file does not match its full input and
-is regenerated. In float32 the output equals a full regeneration (tested); in bf16 batch composition can change a
-near-tie, as between any two regenerations.
+A conversation whose non-answer content (:func:`conversation_key`) equals one in the earlier ``prompts.jsonl[.gz]``
+takes that file's regenerated conversation, with this run's id; only the others are regenerated, and the output
+keeps 01's order. The earlier file's ``prompts_report.json`` (beside it) must record the same regeneration settings
+(:data:`REGEN_KEYS`), else 01 refuses naming the first differing key. A conversation the context cap shortened in
+the earlier file does not match its full input and is regenerated. In float32 the output equals a full
+regeneration (tested).
 """
 
 from __future__ import annotations
@@ -22,9 +13,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from eagle3.errors import UserError
+from pydantic import BaseModel, ValidationError, field_validator
+
+from eagle3.capture.prompts import PromptRecord
+from eagle3.errors import UserError, refusal
 from eagle3.io import read_json
 from eagle3.io.read import iter_jsonl
 from eagle3.regen.resume_log import comparable_settings, older_fields_warning
@@ -70,8 +64,11 @@ def conversation_key(conv: dict) -> str:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """The conversations of ``path`` (:func:`eagle3.io.read.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
-    UserError naming the file and line of a bad one, and the setting that named the file."""
+    """The conversations of ``path`` (:func:`eagle3.io.read.iter_jsonl`), each a :class:`PromptRecord`.
+
+    Raises:
+        UserError: an unreadable file or a bad line (file, line and field), naming ``prompts.reuse_answers``.
+    """
     try:
         lines = list(iter_jsonl(path))
     except UserError as e:  # file:line: malformed JSON: ...
@@ -79,50 +76,58 @@ def _read_rows(path: Path) -> list[dict]:
     except (OSError, EOFError) as e:
         raise UserError(f"{path}: prompts.reuse_answers: cannot read ({e})") from e
     for i, row in lines:
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise UserError(
-                f"{path}:{i}: prompts.reuse_answers: expected a conversation with 'messages'"
-            )
+        try:
+            PromptRecord.model_validate(row)
+        except ValidationError as e:
+            raise refusal(
+                e, f"{path}:{i}", "prompts.reuse_answers names an earlier 01 prompts file"
+            ) from e
     return [row for _, row in lines]
 
 
 def check_settings(report: dict, want: dict, report_file: Path) -> None:
-    """The earlier run's regeneration settings (``report["settings"]``) equal this run's (``want``) on every
-    :data:`REGEN_KEYS` key (a key absent from both is equal; the earlier settings taken as
-    :func:`eagle3.regen.resume_log.comparable_settings` gives them: ``verifier_weights`` compared when both record it),
-    UserError naming the first differing key. A file of an older 01, whose ``answer_fields`` lack some of
-    :data:`eagle3.chat.template.ANSWER_FIELDS` (``stop_token``), is reused with one warning
-    (:func:`eagle3.regen.resume_log.older_fields_warning`); the new report records the fields every answer has."""
-    old = report.get("settings") if isinstance(report, dict) else None
-    if not isinstance(old, dict):
-        raise UserError(
-            f"{report_file}: prompts.reuse_answers: not a report of 01 (no 'settings' object)"
-        )
-    if not old.get("regenerate"):
-        raise UserError(
-            f"{report_file}: prompts.reuse_answers: that run did not regenerate its answers (settings "
-            f"regenerate is not true)"
-        )
+    """Refuse an earlier report (:class:`EarlierReport`) whose settings differ from this run's ``want`` on a
+    :data:`REGEN_KEYS` key (compared as :func:`eagle3.regen.resume_log.comparable_settings` gives them), naming the
+    first; older ``answer_fields`` only warn (:func:`eagle3.regen.resume_log.older_fields_warning`)."""
+    try:
+        rec = EarlierReport.model_validate(report)
+    except ValidationError as e:
+        raise refusal(
+            e, f"{report_file}: prompts.reuse_answers", "name a regenerating 01 run's file"
+        ) from e
     warning = older_fields_warning(
-        report_file, report.get("answer_fields"), "prompts.reuse_answers: reusing answers"
+        report_file, rec.answer_fields, "prompts.reuse_answers: reusing answers"
     )
     if warning:
         log.warning(warning)
-    old = comparable_settings(old, want)
-    for k in REGEN_KEYS:
-        if k == "verifier_weights" and old.get(k) != want.get(k):
-            raise UserError(
-                f"{report_file}: prompts.reuse_answers: its answers were made by other weights than this "
-                f"run's verifier.path holds (settings key verifier_weights: {old.get(k)} -> {want.get(k)}; "
-                f"the verifier's name is the same); regenerate without prompts.reuse_answers or set "
-                f"verifier.path back"
-            )
-        if old.get(k) != want.get(k):
-            raise UserError(
-                f"{report_file}: prompts.reuse_answers: its answers were made with {k} = "
-                f"{json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}; regenerate without "
-                f"prompts.reuse_answers or match the setting"
-            )
+    old = comparable_settings(rec.settings, want)
+    k = next((k for k in REGEN_KEYS if old.get(k) != want.get(k)), None)
+    if k is not None:
+        weights = k == "verifier_weights"
+        how = (
+            f"by other weights than this run's verifier.path holds (settings key verifier_weights: "
+            f"{old.get(k)} -> {want.get(k)}; the verifier's name is the same)"
+            if weights
+            else f"with {k} = {json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}"
+        )
+        raise UserError(
+            f"{report_file}: prompts.reuse_answers: its answers were made {how}; regenerate without "
+            f"prompts.reuse_answers or {'set verifier.path back' if weights else 'match the setting'}"
+        )
+
+
+class EarlierReport(BaseModel):
+    """What :func:`check_settings` reads of the earlier 01's ``prompts_report.json``."""
+
+    settings: dict
+    answer_fields: Any = None
+
+    @field_validator("settings")
+    @classmethod
+    def _regenerated(cls, settings: dict) -> dict:
+        if not settings.get("regenerate"):
+            raise ValueError("says regenerate is not true: that run did not regenerate its answers")
+        return settings
 
 
 def load(path: str, want: dict) -> dict[str, dict]:
@@ -133,12 +138,11 @@ def load(path: str, want: dict) -> dict[str, dict]:
         UserError: the file or its report is missing or unreadable, a line is bad, or the settings differ.
     """
     p = Path(path)
-    if p.is_dir():
-        raise UserError(
-            f"prompts.reuse_answers: {p}: a folder; give the earlier prompts.jsonl[.gz] in it"
-        )
     if not p.is_file():
-        raise UserError(f"prompts.reuse_answers: {p}: no such file")
+        what = (
+            "a folder; give the earlier prompts.jsonl[.gz] in it" if p.is_dir() else "no such file"
+        )
+        raise UserError(f"prompts.reuse_answers: {p}: {what}")
     rep = p.parent / "prompts_report.json"
     if not rep.is_file():
         raise UserError(
@@ -164,12 +168,9 @@ def split(convs: list[dict], earlier: dict[str, dict]) -> tuple[list[Optional[di
 
 
 def merge(convs: list[dict], reused: list[Optional[dict]], regenerated: list[dict]) -> list[dict]:
-    """The output in input order: each position's reused conversation, or its regenerated one. ``regenerated`` is
-    the regeneration's output for the ``todo`` inputs in their order, a failed one left out (endpoints): an input
-    whose id is not the next regenerated id is dropped, as a full regeneration drops it. A reused conversation takes
-    this run's id for its input (the earlier file's id may name another row: ids made from a file's line numbers
-    shift when a row is inserted, and the same prompt may come from another source file), as a full regeneration
-    would give it."""
+    """The output in input order: each position's reused conversation (with this run's id for it), or its
+    regenerated one. ``regenerated`` holds the ``todo`` inputs' answers in order, a failed one left out: an input
+    whose id is not the next regenerated id is dropped, as a full regeneration drops it."""
     out, it = [], iter(regenerated)
     nxt = next(it, None)
     for c, r in zip(convs, reused):

@@ -1,24 +1,12 @@
-"""User prompts written by the verifier itself (Magpie-style self-instruct), a prompt source for stage 01.
+"""User prompts written by the verifier itself (Magpie-style self-instruct, Xu et al. 2024, arXiv 2406.08464), a
+prompt source for stage 01.
 
-An instruction-tuned verifier, given only its chat template's text up to where a user message starts (the
-"pre-query template": system turn, then the user header), completes it with a plausible user message, and its
-end-of-turn token ends it: Magpie (Xu et al., 2024, arXiv 2406.08464) builds instruction data this way. For a
-drafter this yields prompts in the verifier's own user distribution: open-ended writing, advice, explanations and
-role-play, which the public pool lacks (`../shared/data/train-extra/SOURCES.md`: "little open-ended writing or long
-multi-turn chat") and where a drafter trained on that pool accepts least (MT-bench writing, stem and humanities against
-extraction).
-
-``01_prepare_prompts.py --self-instruct N --out FILE`` samples queries (``model.generate``, temperature / top-p
-sampling, seeded per batch), keeps those that ended on an end-of-turn token within the budget (a truncated query
-is dropped), are at least ``min_chars`` long, are new (01's dedupe key) and are not in the ``--exclude`` files
-(e.g. the evaluation sets), and writes them as a messages-JSONL (one user turn each) that ``prompts.source`` can list
-beside other files; 01 then answers them like any other prompt (``prompts.regenerate``). The settings and counts go
-to ``<FILE stem>_report.json``; a re-run with the same settings finds the file up to date.
-
-``prompts.self_instruct: {num, exclude, temperature, top_p, max_query_tokens, min_chars, batch_size}`` runs the same code
-(:func:`make`, through :func:`eagle3.stages.self_instruct.make_from_config`) inside a normal 01 run: the file is
-``{output_root}/self_instruct.jsonl`` and 01 adds its prompts to the sampled sources
-(:func:`eagle3.stages.prepare_prompts.run`).
+Given its chat template's text up to where a user message starts (the "pre-query template"), an instruction-tuned
+verifier completes a plausible user message, ended by its end-of-turn token. :func:`make` samples ``num`` queries,
+keeps those that ended within ``max_query_tokens``, have at least ``min_chars`` characters, are new (01's dedupe key)
+and are not in the ``exclude`` files, and writes them as a messages-JSONL (one user turn each) with
+``<stem>_report.json`` beside it; equal settings find the file up to date. It runs as ``01 --self-instruct N --out
+FILE`` or inside a 01 run (``prompts.self_instruct``, :mod:`eagle3.stages.self_instruct`).
 """
 
 from __future__ import annotations
@@ -32,11 +20,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from pydantic import BaseModel, Field, ValidationError
 from tqdm import tqdm
 
 from eagle3.chat.template import ChatOptions, render_text
 from eagle3.data.readers import dedupe_key, read_conversations
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 from eagle3.io.read import file_sha256
 from eagle3.verifier.load import (
@@ -68,9 +57,8 @@ class SelfInstructSettings:
         verifier: the verifier's display name and dtype.
         exclude: files whose first user messages are left out (their paths).
         exclude_sha256: those files' sha256 (None: missing), so an edited exclude file is not "up to date".
-        verifier_weights: :func:`eagle3.verifier.load.weights_fingerprint` of the verifier that samples (None: its folder
-            holds no weight file), so ``verifier.path`` pointed at other weights under the same name samples again; a
-            report without it (written before it was recorded) is not compared on it.
+        verifier_weights: :func:`eagle3.verifier.load.weights_fingerprint` of the verifier that samples (None: no
+            weight file), compared by :func:`eagle3.verifier.load.weights_differ`.
     """
 
     num: int
@@ -202,9 +190,8 @@ def report_path(out: Path) -> Path:
 
 
 def _excluded_keys(paths: Sequence[str], name: str = "--exclude") -> set:
-    """01 dedupe keys of every conversation's first user message in ``paths`` (01's readers). Errors name the
-    setting (``name``: the flag, or ``prompts.self_instruct.exclude``) before the file: a reader's own message
-    (``prompts file not found``) read as if about ``prompts.source``."""
+    """01 dedupe keys of every conversation's first user message in ``paths`` (01's readers); a refusal names the
+    setting ``name`` (the flag, or ``prompts.self_instruct.exclude``) first."""
     keys: set = set()
     for p in paths:
         try:
@@ -384,6 +371,19 @@ def nothing_kept(
     )
 
 
+class SamplingFlags(BaseModel):
+    """The self-instruct mode's sampling flags, by name."""
+
+    num: int = Field(ge=1, alias="--self-instruct")
+    temperature: float = Field(gt=0, alias="--self-instruct-temperature")
+    top_p: float = Field(gt=0, le=1, alias="--self-instruct-top-p")
+    max_query_tokens: int = Field(ge=1, alias="--self-instruct-max-tokens")
+    min_chars: int = Field(ge=0, alias="--self-instruct-min-chars")
+
+
+_FLAGS = tuple(f.alias for f in SamplingFlags.model_fields.values())
+
+
 def check_args(
     num: int,
     temperature: float,
@@ -393,39 +393,37 @@ def check_args(
     out: Path,
     folder: bool = False,
 ) -> None:
-    """One-line errors for a bad argument, an ``--out`` that is a folder (an existing one, or ``folder``: given with a
-    trailing slash), an ``--out`` not named ``.jsonl`` / ``.jsonl.gz`` (01 would not read it as a messages-JSONL),
-    an output folder that does not exist, and an ``--out`` whose report would take 01's own report
-    name (``prompts.jsonl`` -> ``prompts_report.json``)."""
-    if num < 1:
-        raise UserError(f"--self-instruct: expected a positive number of queries, not {num}")
-    if not temperature > 0:
-        raise UserError(f"--self-instruct-temperature: expected > 0, not {temperature}")
-    if not 0 < top_p <= 1:
-        raise UserError(f"--self-instruct-top-p: expected in (0, 1], not {top_p}")
-    if max_query_tokens < 1 or min_chars < 0:
-        raise UserError("--self-instruct-max-tokens >= 1 and --self-instruct-min-chars >= 0")
+    """One-line errors for a sampling flag out of range (:class:`SamplingFlags`) or an unusable ``--out``
+    (:func:`_out_problem`; ``folder``: it was given with a trailing slash)."""
+    args = dict(zip(_FLAGS, (num, temperature, top_p, max_query_tokens, min_chars)))
+    try:
+        SamplingFlags.model_validate(args)
+    except ValidationError as e:
+        raise refusal(e, "01 --self-instruct", "pass a value in that range") from e
+    problem = _out_problem(out, folder)
+    if problem:
+        raise UserError(f"--out {out}{'/' if folder else ''}: {problem}")
+
+
+def _out_problem(out: Path, folder: bool) -> Optional[str]:
+    """Why ``out`` cannot be the self-instruct file, with the fix: a folder, a name 01 would not read as a
+    messages-JSONL (``.jsonl`` / ``.jsonl.gz``), a missing folder, or a report name equal to 01's own; else None."""
+    stem = out.name.split(".")[0] or "self_instruct"
     if folder or out.is_dir():
-        raise UserError(
-            f"--out {out}{'/' if folder else ''}: a folder; give the file to write, e.g. "
-            f"{out / 'self_instruct.jsonl'}"
-        )
-    if not out.name.endswith(
-        (".jsonl", ".jsonl.gz")
-    ):  # 01 reads a file by its name: .json would be one array,
-        # another ending is refused; both only after the sampling, and si.json shared si.jsonl's report name
-        stem = out.name.split(".")[0] or "self_instruct"
-        raise UserError(
-            f"--out {out}: the file is a messages-JSONL, which prompts.source reads only under a name "
-            f"ending in .jsonl or .jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}"
+        return f"a folder; give the file to write, e.g. {out / 'self_instruct.jsonl'}"
+    if not out.name.endswith((".jsonl", ".jsonl.gz")):  # 01 reads .json as one array
+        return (
+            "the file is a messages-JSONL, which prompts.source reads only under a name ending in .jsonl or "
+            f".jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}"
         )
     if not out.parent.is_dir():
-        raise UserError(f"--out {out}: folder {out.parent} does not exist")
+        return f"folder {out.parent} does not exist"
     if report_path(out).name == "prompts_report.json":
-        raise UserError(
-            f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
-            f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl"
+        return (
+            f"its report would be {report_path(out)}, the name of 01's own report (which prompts.reuse_answers "
+            "and 02 read); choose another name, e.g. self_instruct.jsonl"
         )
+    return None
 
 
 def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:

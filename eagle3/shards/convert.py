@@ -1,22 +1,8 @@
-"""Convert a finished shard set between bf16 (speculators-v1) and fp8 storage (``eagle3-fp8-v1``).
-
-``convert(src, dst, storage)`` reads every shard of ``src`` (a stage-02 folder with
-``data_config.json``; nested ``rows_*`` or flat layout), re-encodes its hidden states
-(:func:`eagle3.shards.fp8.quantize` for fp8; :func:`eagle3.shards.read.hidden_states_bf16` for bf16) and writes
-the same sample ids into ``dst`` in the nested layout, with the same guarantees as stage 02:
-
-- each shard is written atomically (``eagle3.io``); after it lands, ``{dst}/manifest.jsonl`` gets
-  ``{idx, id, num_tokens, num_loss_tokens, xxh3_128}`` (fsynced; :mod:`eagle3.shards.checksum`), so stage 03 checks the new files;
-- ``{dst}/convert_state.json`` fingerprints the source (its ``data_config.json``) and the target
-  storage; a re-run with the same arguments resumes (finished = manifest row + file), a different
-  one is refused unless ``overwrite``; ``*.tmp-*`` leftovers are removed at start;
-- a source shard whose checksum differs from the source manifest is an error (no silent copy of bit rot);
-- ``{dst}/data_config.json`` (the source's, with ``format``/``dtype``/storage keys and
-  ``bytes_per_token`` updated and ``converted_from`` added) is written last: present == complete;
-- disk full (ENOSPC/EDQUOT) stops with one line (:mod:`eagle3.io`) and a re-run continues.
-
-Stages 03/04 read the result by pointing ``extract.output_dir`` at ``dst``. The source is never
-modified; delete it yourself once 03 has validated ``dst``.
+"""Convert a finished shard set between bf16 (speculators-v1) and fp8 (``eagle3-fp8-v1``) storage, with stage 02's
+guarantees: atomic shards, each followed by its fsynced ``manifest.jsonl`` row (xxh3_128 of the bytes written);
+``convert_state.json`` fingerprints source and target storage (a re-run resumes, other arguments are refused unless
+``overwrite``); source checksums verified; ``data_config.json`` written last; disk full stops with one line. The
+source is never modified.
 """
 
 from __future__ import annotations
@@ -28,6 +14,7 @@ import json
 import logging
 import os
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Optional
 
@@ -90,11 +77,6 @@ def _wipe(dst: Path) -> None:
     (dst / STATE).unlink(missing_ok=True)
 
 
-def _exclusive(dst: Path):
-    """Exclusive ``flock`` on ``{dst}/{LOCK}`` (:func:`eagle3.io.lock.exclusive_lock`); UserError if held."""
-    return exclusive_lock(dst / LOCK, f"another conversion is writing to {dst}")
-
-
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -104,24 +86,18 @@ def convert(
     workers: Optional[int] = None,
     limit: Optional[int] = None,
 ) -> dict:
-    """Convert the shard set ``src`` into ``dst`` with hidden states stored as ``storage``.
+    """Convert the shard set ``src`` into ``dst`` (nested layout, same sample ids) with states stored as ``storage``.
 
     Args:
-        src: stage-02 output (``data_config.json`` + shards, bf16 or fp8).
-        dst: output folder (created); must differ from ``src``.
-        storage: target storage (:class:`eagle3.shards.fp8.Storage`); bf16 gives speculators-v1 shards.
-        overwrite: delete an earlier conversion in ``dst`` made with other arguments.
-        workers: shards converted concurrently (threads; torch ops release the GIL); default
-            ``min(8, cpu count)``.
-        limit: stop after this many converted shards in this call (tests; the run stays resumable).
+        workers: threads (default ``min(8, cpu count)``); ``limit``: stop after this many shards (resumable).
 
     Returns:
-        summary: ``samples``, ``converted``, ``resumed``, ``src_bytes``, ``dst_bytes`` (shard files),
-        ``ratio`` (dst/src file bytes), ``bytes_per_token`` (hidden states, from the format), seconds.
+        summary: ``samples``, ``converted``, ``resumed``, ``complete``, and when complete ``src_bytes``,
+        ``dst_bytes``, ``ratio``, ``bytes_per_token``; ``seconds``.
 
     Raises:
-        UserError: missing/invalid source, ``dst == src``, different earlier conversion in ``dst``,
-            a corrupt source shard (validation or checksum), disk full (one line; re-run resumes).
+        UserError: bad source, ``dst`` equal to or inside ``src``, another conversion in ``dst``, a corrupt source
+        shard, disk full (a re-run resumes), ``dst`` locked.
     """
     src, dst = Path(src), Path(dst)
     meta = read_data_config(src)
@@ -140,7 +116,7 @@ def convert(
     except ValueError as e:
         raise UserError(f"--block-size: {e}") from e
     make_dirs(dst, "--dst")
-    with _exclusive(dst):
+    with exclusive_lock(dst / LOCK, f"another conversion is writing to {dst}"):
         return _convert(src, dst, meta, storage, overwrite, workers, limit)
 
 
@@ -153,7 +129,7 @@ def _convert(
     workers: Optional[int],
     limit: Optional[int],
 ) -> dict:
-    """:func:`convert` under ``dst``'s lock: claim ``dst``, convert what is pending, finish when complete."""
+    """:func:`convert` under ``dst``'s lock."""
     t0 = time.perf_counter()
     samples = list_samples(src)
     if not samples:  # before anything in dst is deleted
@@ -189,8 +165,9 @@ def _convert(
 
 
 def _claim(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool) -> None:
-    """Make ``dst`` this conversion's: wipe it (``overwrite``) or refuse other contents, record the
-    fingerprint in ``{dst}/convert_state.json``, remove ``*.tmp-*`` leftovers."""
+    """Make ``dst`` this conversion's: wipe it (``overwrite``) or refuse other contents; record the fingerprint; remove
+    ``*.tmp-*`` leftovers.
+    """
     fp, comp = _fingerprint(meta, storage)
     state_path = dst / STATE
     if overwrite:
@@ -207,7 +184,7 @@ def _claim(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool) 
 
 
 class _Job:
-    """What converting one shard needs: source manifest rows, the load checks, the target layout."""
+    """Converting one shard: source manifest rows, load checks, target layout."""
 
     def __init__(self, src: Path, dst: Path, meta: dict, storage: Storage):
         self.src_man_path = src / MANIFEST
@@ -217,7 +194,7 @@ class _Job:
         self.src, self.dst, self.meta, self.storage = src, dst, meta, storage
 
     def one(self, item: tuple[int, Path]) -> dict:
-        """Convert shard ``item = (idx, path)``; returns its manifest row (checksum of the bytes written)."""
+        """Convert shard ``(idx, path)``; returns its manifest row."""
         idx, path = item
         want = row_checksum(self.src_rows.get(idx, {}))  # (algo, hex) or None
         if want is not None and file_checksum(path, want[0]) != want[1]:
@@ -226,16 +203,9 @@ class _Job:
             )
         s = load_sample(path, expect=self.expect)
         h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
-        write_sample(
-            self.dst,
-            idx,
-            self.rows_per_dir,
-            s["input_ids"],
-            hidden_states_bf16(s),
-            s["loss_mask"],
-            self.storage,
-            hasher=h,
-        )
+        ids, mask = s["input_ids"], s["loss_mask"]
+        hs = hidden_states_bf16(s)
+        write_sample(self.dst, idx, self.rows_per_dir, ids, hs, mask, self.storage, hasher=h)
         return {
             "idx": idx,
             "id": self.src_rows.get(idx, {}).get("id", str(idx)),
@@ -248,8 +218,9 @@ class _Job:
 def _run_pool(
     job: _Job, pending: list, man_path: Path, done: dict, total: int, n_workers: int
 ) -> None:
-    """Convert ``pending`` on ``n_workers`` threads, appending each finished row to the manifest
-    (and to ``done``) in completion order; a worker's error cancels the rest and is re-raised."""
+    """Convert ``pending`` on ``n_workers`` threads (a bounded window of futures), appending each row to the manifest and
+    ``done`` as it finishes; an error cancels the rest and is re-raised.
+    """
     with (
         ManifestWriter(man_path) as man,
         cf.ThreadPoolExecutor(n_workers) as pool,
@@ -261,9 +232,8 @@ def _run_pool(
             mininterval=1.0,
         ) as bar,
     ):
-        # A bounded window of futures keeps memory flat on million-shard sets.
         it = iter(pending)
-        window = {pool.submit(job.one, x) for x in _take(it, 4 * n_workers)}
+        window = {pool.submit(job.one, x) for x in islice(it, 4 * n_workers)}
         try:
             while window:
                 finished, window = cf.wait(window, return_when=cf.FIRST_COMPLETED)
@@ -272,7 +242,7 @@ def _run_pool(
                     extra = {k: v for k, v in row.items() if k not in ("idx", "id", "num_tokens")}
                     done[row["idx"]] = man.append(row["idx"], row["id"], row["num_tokens"], **extra)
                     bar.update(1)
-                window |= {pool.submit(job.one, x) for x in _take(it, len(finished))}
+                window |= {pool.submit(job.one, x) for x in islice(it, len(finished))}
         except BaseException:
             for f in window:
                 f.cancel()  # shards already being written finish atomically; the re-run redoes them
@@ -288,19 +258,10 @@ def _finish(job: _Job, samples: list) -> dict:
         "bytes_per_token": storage.bytes_per_token(int(meta["hidden_size"])),
     }
     if not storage.is_fp8:
-        for k in (
-            "storage_dtype",
-            "scale_scheme",
-            "scale_block_size",
-            "scale_dtype",
-            "storage_format_version",
-        ):
+        for k in ("storage_dtype", "scale_scheme", "scale_block_size", "scale_dtype"):
             new.pop(k, None)
-    new["converted_from"] = {
-        "path": str(job.src),
-        "format": meta["format"],
-        "dtype": meta["dtype"],
-    }
+        new.pop("storage_format_version", None)
+    new["converted_from"] = {"path": str(job.src), "format": meta["format"], "dtype": meta["dtype"]}
     write_data_config(job.dst, new)
     src_bytes = sum(p.stat().st_size for _, p in samples)
     dst_bytes = sum(shard_path(job.dst, i, job.rows_per_dir).stat().st_size for i, _ in samples)
@@ -311,13 +272,3 @@ def _finish(job: _Job, samples: list) -> dict:
         "bytes_per_token": new["bytes_per_token"],
         "src_bytes_per_token": meta["bytes_per_token"],
     }
-
-
-def _take(it, n: int) -> list:
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(it))
-        except StopIteration:
-            break
-    return out

@@ -1,11 +1,7 @@
-"""A shard folder's ``data_config.json``: its keys, validation, reading and writing.
-
-Written last by stage 02 (present == complete), it records the verifier and every convention
-needed to interpret the tensors (keys: :func:`write_data_config`). fp8 storage adds
-``storage_dtype``, ``scale_scheme``, ``scale_block_size``, ``scale_dtype``,
-``storage_format_version``; token-only samples have ``format: eagle3-tokens-v1``,
-``dtype``/``storage_dtype`` ``"none"``, ``bytes_per_token`` 0 (hidden-state bytes), and still the
-verifier's dims, aux layers and norm convention, which 04 checks against the verifier it runs.
+"""A shard folder's ``data_config.json`` (written last by stage 02: present == complete): the verifier and every
+convention needed to read the tensors (:data:`DATA_CONFIG_KEYS`), plus the fp8 storage keys
+(:func:`storage_meta`); token-only folders (``eagle3-tokens-v1``) record ``dtype``/``storage_dtype`` ``"none"`` and
+``bytes_per_token`` 0 but still the verifier's dims, aux layers and norm convention (04 checks them).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from eagle3.shards.format import (
 )
 from eagle3.shards.fp8 import Storage
 
-#: data_config.json keys and their JSON types (bool is checked before int where it matters).
+# data_config.json keys and their JSON types (a bool is never an int here)
 DATA_CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "format": str,
     "verifier": str,
@@ -52,18 +48,8 @@ DATA_CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 def write_data_config(root: str | os.PathLike, meta: dict) -> Path:
-    """Validate and atomically write ``{root}/data_config.json``.
-
-    Keys (all required; see :data:`DATA_CONFIG_KEYS`): ``format`` ("speculators-v1"),
-    ``verifier`` (id = ``verifier.display_name()``), ``architecture``, ``num_layers``,
-    ``hidden_size``, ``vocab_size``, ``aux_layers`` (HF indices), ``layer_index_convention``,
-    ``last_hidden_state`` ("post_norm"|"pre_norm"), ``dtype`` ("bfloat16"), ``max_length``,
-    ``rows_per_dir``, ``chat_template_hash``, ``config_fingerprint``, ``prompts_sha256``,
-    ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``bytes_per_token``
-    (= 4 * H * 2 for bf16), ``skipped`` (reason -> count). Extra keys are kept.
-
-    Raises:
-        ValueError: a key is missing or has the wrong type (a caller bug).
+    """Validate (every key of :data:`DATA_CONFIG_KEYS` with its type and allowed values; extra keys are kept) and
+    atomically write ``{root}/data_config.json``; ValueError on a bad dict (a caller bug).
     """
     path = Path(root) / DATA_CONFIG
     problem = _data_config_problem(meta)
@@ -99,7 +85,7 @@ def _data_config_problem(meta: Any) -> str | None:
 
 
 def _storage_problem(meta: dict) -> str | None:
-    """Consistency of ``format`` / ``dtype`` / ``storage_dtype`` and the fp8 scale keys."""
+    """Consistency of ``format``, ``dtype``, ``storage_dtype`` and the fp8 scale keys."""
     dtype = meta.get("storage_dtype", "bfloat16")
     if meta["format"] == FORMAT_TOKENS:
         if dtype != "none" or meta["dtype"] != "none" or meta["bytes_per_token"] != 0:
@@ -126,9 +112,7 @@ def _storage_problem(meta: dict) -> str | None:
 
 
 def storage_meta(storage: Storage) -> dict:
-    """The ``data_config.json`` keys that describe ``storage``: ``format``, ``dtype`` and, for fp8,
-    ``storage_dtype``, ``scale_scheme``, ``scale_block_size``, ``scale_dtype``, ``storage_format_version``.
-    bf16 gives exactly the speculators-v1 keys (``format``, ``dtype``)."""
+    """The ``data_config.json`` storage keys of ``storage`` (bf16: the speculators-v1 ``format`` and ``dtype``)."""
     if not storage.is_fp8:
         return {"format": FORMAT, "dtype": "bfloat16"}
     return {
@@ -140,21 +124,17 @@ def storage_meta(storage: Storage) -> dict:
 
 
 def tokens_meta() -> dict:
-    """The ``data_config.json`` storage keys of token-only samples (the counterpart of :func:`storage_meta`)."""
+    """The ``data_config.json`` storage keys of token-only samples."""
     return {"format": FORMAT_TOKENS, "dtype": "none", "storage_dtype": "none"}
 
 
 def is_token_only(meta: dict) -> bool:
-    """Whether a validated ``data_config.json`` dict describes token-only samples (``eagle3-tokens-v1``)."""
+    """Whether a validated ``data_config.json`` dict describes token-only samples."""
     return meta.get("format") == FORMAT_TOKENS
 
 
 def read_data_config(root: str | os.PathLike) -> dict:
-    """Read and validate ``{root}/data_config.json`` (``root`` may also be the file itself).
-
-    Raises:
-        UserError: missing file, malformed JSON, or a missing/wrongly typed key (named).
-    """
+    """Read and validate ``{root}/data_config.json`` (``root`` may be the file); UserError naming the problem."""
     path = Path(root)
     if path.is_dir() or not path.name.endswith(".json"):
         path = path / DATA_CONFIG
@@ -166,7 +146,7 @@ def read_data_config(root: str | os.PathLike) -> dict:
 
 
 def expect_from_data_config(meta: dict) -> dict:
-    """The ``expect`` dict for :func:`load_sample` from a validated ``data_config.json`` dict."""
+    """The ``expect`` of :func:`eagle3.shards.read.load_sample` for a validated ``data_config.json``."""
     if is_token_only(meta):
         return {"vocab_size": int(meta["vocab_size"]), "tokens_only": True}
     st = Storage.from_meta(meta)
@@ -184,6 +164,5 @@ def expect_from_data_config(meta: dict) -> dict:
 def bytes_per_token(
     hidden_size: int, num_states: int = NUM_HIDDEN_STATES, storage: Storage | None = None
 ) -> int:
-    """Hidden-state bytes per token: bf16 ``num_states * H * 2`` (H = 7168 -> 57344); fp8
-    ``num_states * (H + 4 nb)`` (per-token scales, H = 7168 -> 28688)."""
+    """Hidden-state bytes per token (:meth:`eagle3.shards.fp8.Storage.bytes_per_token`; default bf16)."""
     return (storage or Storage()).bytes_per_token(hidden_size, num_states)

@@ -1,20 +1,8 @@
-"""fp8 (e4m3) storage of captured hidden states: scaled quantisation and its inverse.
-
-A hidden state ``h`` ``[L, H]`` is stored as ``q = round_e4m3(h / s)`` (``torch.float8_e4m3fn``,
-``[L, H]``) plus fp32 scales ``s`` ``[L, nb]``: the columns of each row are cut into ``nb`` equal
-blocks of ``H / nb`` and ``s[t, b] = amax(|h[t, block b]|) / 448`` (448 = the largest finite e4m3
-value), so every block uses the full e4m3 range and nothing saturates. ``nb = 1`` is one scale per
-token ("per_token", the default); ``nb = H / block_size`` is "per_block" (as DeepSeek-V3's 1x128
-activation blocks). A row (block) of zeros gets scale 1. Reading back: ``h ~= q.float() * s``.
-
-e4m3 keeps 3 mantissa bits, so the relative rounding error of a normal value is at most 2^-4; on
-real SmolLM2 hidden states the error is 0.5-2.3% relative RMS per tensor with per-token scales and
-1.5-1.7% at best with 32-column blocks (docs/results.md "fp8 shard storage"): the
-scaling scheme only decides which small values fall into the subnormal range. Rounding is PyTorch's float -> float8 cast (round to nearest even). Bytes per
-token and tensor: ``H + 4 * nb`` instead of ``2 H`` in bf16.
-
-Dequantisation is meant to run where the tensors are used (the training GPU): the loader moves the
-1-byte values and the scales, :func:`dequantize` expands them there.
+"""fp8 (e4m3) storage of hidden states: ``h`` ``[L, H]`` is stored as ``q = e4m3(h / s)`` plus float32 scales ``s``
+``[L, nb]``, ``s[t, b] = amax(|h[t, block b]|) / 448`` over ``nb`` equal column blocks (``nb = 1``: per_token,
+default; ``H / block_size``: per_block); a zero block gets scale 1; ``h ~= q.float() * s``. Rounding: PyTorch's
+round-to-nearest-even cast. Bytes per token and tensor: ``H + 4 nb`` instead of ``2H``. Accuracy:
+docs/results.md "fp8 shard storage". Dequantised where used (the training device).
 """
 
 from __future__ import annotations
@@ -33,12 +21,8 @@ SCALE_DTYPE = torch.float32
 
 @dataclass(frozen=True)
 class Storage:
-    """How hidden states are stored in shards (recorded in ``data_config.json``).
-
-    Attributes:
-        dtype: ``"bfloat16"`` (speculators-v1, no scales) or ``"float8_e4m3fn"``.
-        scale: ``"per_token"`` (one fp32 scale per row) or ``"per_block"`` (one per ``block_size`` columns).
-        block_size: columns per scale for ``per_block`` (must divide the hidden size); None otherwise.
+    """How shards store hidden states (``data_config.json``): ``dtype`` ``bfloat16`` | ``float8_e4m3fn``, ``scale``
+    ``per_token`` | ``per_block``, ``block_size`` (per_block: columns per scale). ValueError for other values.
     """
 
     dtype: str = "bfloat16"
@@ -58,11 +42,7 @@ class Storage:
         return self.dtype == "float8_e4m3fn"
 
     def num_blocks(self, hidden_size: int) -> int:
-        """Scales per row for hidden size ``H`` (1 for per_token).
-
-        Raises:
-            ValueError: ``block_size`` does not divide ``H``.
-        """
+        """Scales per row for hidden size ``H``; ValueError when ``block_size`` does not divide it."""
         if self.scale == "per_token":
             return 1
         if hidden_size % self.block_size:
@@ -72,27 +52,22 @@ class Storage:
         return hidden_size // self.block_size
 
     def bytes_per_token(self, hidden_size: int, num_states: int = 4) -> int:
-        """Hidden-state bytes per token: ``n * 2H`` (bf16) or ``n * (H + 4 nb)`` (fp8 + fp32 scales)."""
+        """Hidden-state bytes per token: ``n * 2H`` (bf16) or ``n * (H + 4 nb)`` (fp8)."""
         if not self.is_fp8:
             return int(num_states * hidden_size * 2)
         return int(num_states * (hidden_size + SCALE_DTYPE.itemsize * self.num_blocks(hidden_size)))
 
     def to_meta(self) -> dict:
-        """The ``data_config.json`` keys of this storage (``storage_dtype`` and, for fp8, its scales)."""
+        """The ``data_config.json`` keys of this storage."""
         meta = {"storage_dtype": self.dtype}
         if self.is_fp8:
-            meta.update(
-                {
-                    "scale_scheme": self.scale,
-                    "scale_block_size": self.block_size,
-                    "scale_dtype": "float32",
-                }
-            )
+            meta.update(scale_scheme=self.scale, scale_block_size=self.block_size)
+            meta["scale_dtype"] = "float32"
         return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> "Storage":
-        """Inverse of :meth:`to_meta`; a data_config without ``storage_dtype`` is bf16 (speculators-v1)."""
+        """Inverse of :meth:`to_meta`; no ``storage_dtype`` = bf16."""
         dtype = meta.get("storage_dtype", "bfloat16")
         if dtype == "bfloat16":
             return cls()
@@ -104,17 +79,8 @@ class Storage:
 
 
 def quantize(h: torch.Tensor, num_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled e4m3 quantisation of ``h`` ``[..., H]`` (any float dtype) along its last dim.
-
-    Args:
-        num_blocks: scales per row; must divide ``H``.
-
-    Returns:
-        ``(q, scale)``: ``q`` float8_e4m3fn ``[..., H]``, ``scale`` float32 ``[..., num_blocks]``
-        with ``h ~= dequantize(q, scale)``.
-
-    Raises:
-        ValueError: ``num_blocks`` does not divide ``H``, or ``h`` has NaN/Inf.
+    """``(q float8_e4m3fn [..., H], scale float32 [..., num_blocks])`` of ``h`` ``[..., H]``; ValueError when
+    ``num_blocks`` does not divide ``H`` or ``h`` has NaN/Inf.
     """
     q, scale = quantize_unchecked(h, num_blocks)
     if not scales_finite(scale):  # exactly "h is finite": see quantize_unchecked
@@ -125,34 +91,17 @@ def quantize(h: torch.Tensor, num_blocks: int = 1) -> tuple[torch.Tensor, torch.
 def quantize_unchecked(
     h: torch.Tensor, num_blocks: int = 1, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` without its NaN/Inf check, so it never synchronises a device (stage 02 runs
-    it on the verifier's GPU per captured batch, before the device -> host copy).
-
-    The check is not lost: a block's scale is ``amax(|block|) / 448``, and ``amax`` propagates NaN
-    and +-Inf, so the scales are all finite exactly when ``h`` is (:func:`scales_finite`); every
-    shard writer checks the scales. Same operations as :func:`quantize`, so the same bytes on any
-    device (elementwise IEEE float32 division, round-to-nearest-even e4m3 cast).
-
-    Args:
-        h: ``[..., H]`` any float dtype.
-        num_blocks: scales per row; must divide ``H``.
-        out: optional preallocated ``(q [..., H] float8_e4m3fn, scale [..., num_blocks] float32)``.
-
-    Returns:
-        ``(q, scale)`` as :func:`quantize` (``out`` when given).
-
-    Raises:
-        ValueError: ``num_blocks`` does not divide ``H``.
+    """:func:`quantize` without the NaN/Inf check, so no device sync (02 runs it on the verifier's GPU): ``amax``
+    propagates NaN/Inf, so the scales are finite iff ``h`` is (:func:`scales_finite`, checked by every shard writer).
+    Same bytes on any device. ``out``: optional preallocated ``(q, scale)``. ValueError as :func:`quantize`.
     """
     H = h.shape[-1]
     if num_blocks < 1 or H % num_blocks:
         raise ValueError(f"quantize: {num_blocks} blocks do not divide hidden size {H}")
     x = h.float().reshape(*h.shape[:-1], num_blocks, H // num_blocks)  # [..., nb, H/nb]
     amax = x.abs().amax(dim=-1)  # [..., nb]; NaN/Inf propagate
-    # amax >= 0, so "== 0" picks the same rows as "not > 0" for finite input, but keeps a NaN amax NaN
-    # divide by a 0-dim tensor on amax's device, not by the Python scalar: CUDA divides by a CPU scalar as a
-    # multiply by its reciprocal (PyTorch's div_true_kernel_cuda), which rounds some scales one ulp off the
-    # CPU's IEEE division, so device-encoded shards would not match shard_convert's
+    # "== 0" keeps a NaN amax NaN. Divide by a device tensor, not a Python scalar: CUDA multiplies by a
+    # scalar's reciprocal, one ulp off the CPU's IEEE division for some scales (shard_convert must match)
     fp8_max = amax.new_full((), FP8_MAX)  # [] float32, a fill kernel: no host sync
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / fp8_max)  # [..., nb]
     q = (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [..., nb, H/nb]
@@ -164,22 +113,14 @@ def quantize_unchecked(
 
 
 def scales_finite(scale: torch.Tensor) -> bool:
-    """True iff every scale of :func:`quantize_unchecked` is finite, i.e. iff its input was finite."""
+    """True iff every scale of :func:`quantize_unchecked` is finite, i.e. iff its input was."""
     return bool(torch.isfinite(scale).all())
 
 
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """``q.float() * scale`` broadcast over blocks, cast to ``dtype``; runs on ``q``'s device.
-
-    Args:
-        q: float8_e4m3fn ``[..., H]``.
-        scale: float ``[..., nb]`` (same leading dims; ``nb`` divides ``H``).
-
-    Returns:
-        ``[..., H]`` in ``dtype``.
-    """
+    """``q.float() * scale`` (``[..., H]``, ``[..., nb]``) broadcast over blocks, in ``dtype``, on ``q``'s device."""
     H, nb = q.shape[-1], scale.shape[-1]
     x = q.float().reshape(*q.shape[:-1], nb, H // nb)  # [..., nb, H/nb]
     return (x * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
@@ -191,21 +132,13 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 
 def has_nan_fp8(q: torch.Tensor) -> bool:
-    """NaN check for e4m3fn (the format has no Inf; NaN is the bit pattern ``S1111111``).
-
-    ``0x7F`` is the largest value of ``bits & 0x7F``, so its max equals ``0x7F`` iff some element is NaN:
-    two passes without a bool temporary, ~10x faster on CPU than ``((bits & 0x7F) == 0x7F).any()`` (run by
-    the stage-04 loader on every fp8 shard).
-    """
+    """NaN check for e4m3fn (no Inf; NaN is ``S1111111``): the max of ``bits & 0x7F`` is ``0x7F`` iff some element is NaN."""
     return q.numel() > 0 and int((q.view(torch.uint8) & 0x7F).max()) == 0x7F
 
 
 def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
-    """Replace every fp8 entry ``k`` of a (device-side) batch that has a ``k + "_scale"`` partner
-    with ``dequantize(batch[k], batch[k + "_scale"], dtype)`` and drop the scale entry.
-
-    Used by stage 04 after the host->device copy, so only 1-byte values and the scales cross PCIe.
-    Other entries are returned unchanged.
+    """A device-side batch with each fp8 entry ``k`` that has a ``k + "_scale"`` partner dequantised to ``dtype`` and the
+    scale dropped; other entries unchanged.
     """
     out = {}
     for k, v in batch.items():
@@ -218,7 +151,7 @@ def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
 
 
 def storage_from_config(ex) -> Storage:
-    """The :class:`Storage` of an ``extract`` config section (``storage_dtype``, ``fp8_scale``, ``fp8_block_size``)."""
+    """The :class:`Storage` of an ``extract`` config section."""
     if ex.storage_dtype == "bfloat16":
         return Storage()
     return Storage(

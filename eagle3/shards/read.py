@@ -1,7 +1,5 @@
-"""Reading one sample's shard back: safe load, then every key, dtype, shape and value checked.
-
-:func:`load_sample` names the file and the key in each refusal (a ``UserError``);
-:func:`hidden_states_bf16` gives the states as bf16 whatever the storage.
+"""Reading one sample's shard back: safe load, every key, dtype, shape and value checked (:func:`load_sample`, whose
+refusals name the file and key); :func:`hidden_states_bf16` gives bf16 states whatever the storage.
 """
 
 from __future__ import annotations
@@ -42,27 +40,17 @@ def _check_1d_int64(path: Path, obj: dict, key: str) -> torch.Tensor:
 
 
 def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
-    """Load one shard with ``weights_only=True`` and validate it.
-
-    Args:
-        path: a ``data_{idx}.pt`` file.
-        expect: optional ``{"hidden_size": H, "num_hidden_states": 4, "vocab_size": V,
-            "storage_dtype": "bfloat16"|"float8_e4m3fn", "scale_blocks": nb, "tokens_only": bool}``
-            (any subset; see :func:`expect_from_data_config`) checked against the tensors.
-            ``tokens_only`` True: the shard must be token-only (no ``hidden_states``); False or
-            absent: it must hold hidden states.
+    """Load one ``data_{idx}.pt`` with ``weights_only=True`` and validate it against ``expect`` (any subset of
+    :func:`eagle3.shards.data_config.expect_from_data_config`: ``hidden_size``, ``num_hidden_states``, ``vocab_size``,
+    ``storage_dtype``, ``scale_blocks``, ``tokens_only``, ``aux_layers``, ``verifier_dtype``).
 
     Returns:
-        ``{"input_ids": int64 [L], "hidden_states": [4 x bf16 [L, H]], "loss_mask": int64 [L]}``;
-        fp8 shards: ``hidden_states`` are float8_e4m3fn ``[L, H]`` and ``hidden_scales``
-        (4 x float32 ``[L, nb]``) is added (:func:`hidden_states_bf16` dequantises); token-only
-        shards: ``{"input_ids", "loss_mask"}`` only.
+        ``{"input_ids": int64 [L], "hidden_states": 4 x [L, H], "loss_mask": int64 [L]}`` (bf16, or float8_e4m3fn plus
+        ``hidden_scales`` 4 x float32 ``[L, nb]``); token-only: ``input_ids`` and ``loss_mask``.
 
     Raises:
-        UserError: naming the file and key: unreadable/truncated/unsafe pickle, not a dict,
-            missing key, wrong type/dtype/rank, unequal lengths, empty sample, wrong number of
-            hidden states or hidden size, NaN/Inf, token id outside the vocab, mask not 0/1;
-            fp8: storage dtype other than data_config's, missing/misshaped/non-finite/non-positive scales.
+        UserError (file and key): unreadable or unsafe file, missing key, wrong type, dtype or shape, unequal
+        lengths, empty sample, NaN/Inf, id outside the vocab, mask not 0/1, bad fp8 scales.
     """
     path = Path(path)
     obj = safe_torch_load(path)
@@ -86,7 +74,7 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
 
 
 def _check_keys(path: Path, obj: dict, tokens_only: bool) -> None:
-    """The shard holds every key of its kind (token-only: no ``hidden_states`` either)."""
+    """Every key of the shard's kind is there (token-only: no ``hidden_states``)."""
     if tokens_only and "hidden_states" in obj:
         raise _bad(
             path,
@@ -178,8 +166,7 @@ def _check_state(
 
 
 def _check_scales(path: Path, obj: dict, hs: list, nb_expected: int | None) -> list[torch.Tensor]:
-    """Validate ``hidden_scales`` of an fp8 shard: one float32 ``[L, nb]`` per hidden state, ``nb``
-    dividing H (and equal to data_config's when given), finite and > 0."""
+    """An fp8 shard's ``hidden_scales``: float32 ``[L, nb]`` each, ``nb`` dividing H (data_config's), finite, > 0."""
     sc = obj.get("hidden_scales")
     if sc is None:
         raise _bad(path, "hidden_scales", "missing (fp8 hidden states need their scales)")

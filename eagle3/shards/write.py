@@ -1,8 +1,5 @@
-"""Writing one sample's shard: validation, bf16/fp8 encoding, the atomic ``torch.save``.
-
-:func:`encode_batch` gives a captured batch its stored form on the device; :func:`shard_object`
-builds (and checks) the dict of one sample; :func:`write_sample` saves it atomically
-(layout and keys: :mod:`eagle3.shards.format`).
+"""Writing one sample's shard (layout: :mod:`eagle3.shards.format`): :func:`encode_batch` (stored form on the
+device), :func:`shard_object` (the checked dict), :func:`write_sample` (atomic ``torch.save``).
 """
 
 from __future__ import annotations
@@ -42,16 +39,9 @@ def _as_int64(x: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StoredStates:
-    """One sample's hidden states already in their stored form (what :func:`encode_batch` gives the
-    HF capture backend per batch on the device, sliced per sample on the host).
-
-    Attributes:
-        hidden_states: 4 x ``[L, H]``: bf16 (speculators-v1) or float8_e4m3fn (fp8 storage); may be
-            views into a larger batch buffer (:func:`shard_object` copies them out).
-        hidden_scales: fp8 only: 4 x float32 ``[L, nb]`` (:func:`eagle3.shards.fp8.quantize_unchecked`); None for bf16.
-        source_finite: bf16 only: True when the producer has checked every value finite (one device
-            reduction per batch), so the writer skips its own check; False = the writer checks.
-            fp8 shards are always checked through their scales (finite exactly when the source was).
+    """One sample's states already in stored form (:func:`encode_batch`, sliced per sample): ``hidden_states`` 4 x
+    ``[L, H]`` bf16 or float8_e4m3fn (may be views of a batch buffer); ``hidden_scales`` 4 x float32 ``[L, nb]`` (fp8
+    only); ``source_finite``: bf16 values already checked finite by the producer (fp8 is checked through its scales).
     """
 
     hidden_states: list
@@ -62,21 +52,12 @@ class StoredStates:
 def encode_batch(
     pack: torch.Tensor, storage: Storage | None = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """The stored form of a whole captured batch, on ``pack``'s device, without any host sync.
-
-    Stage 02's HF backend calls this on the GPU before the device -> host copy, so the writer
-    threads get finished tensors: no per-shard float conversion, NaN/Inf scan or fp8 quantisation
-    on the CPU, and for fp8 half the bytes cross PCIe. Per row the same operations as
-    :func:`shard_object`'s own path, so the shard bytes are the same.
-
-    Args:
-        pack: bf16 ``[4, T, H]`` (the batch's samples back to back, padding removed).
-        storage: None/bf16 or fp8 (:mod:`eagle3.shards.fp8`).
+    """The stored form of a captured batch ``pack`` bf16 ``[4, T, H]`` on its device, no host sync, the same operations
+    per row as :func:`shard_object` (same bytes).
 
     Returns:
-        ``(values, scales, finite)``: bf16: ``(pack, None, finite)`` with ``finite`` a 0-dim bool
-        tensor (every value finite); fp8: ``(q float8_e4m3fn [4, T, H], scales float32 [4, T, nb],
-        finite)``, where ``finite`` is also what the scales say (non-finite input gives non-finite scales).
+        bf16: ``(pack, None, finite)``; fp8: ``(q float8_e4m3fn [4, T, H], scales float32 [4, T, nb], finite)``;
+        ``finite`` a 0-dim bool tensor.
     """
     if storage is None or not storage.is_fp8:
         return pack, None, torch.isfinite(pack).all()  # [4, T, H] -> 0-dim bool
@@ -90,13 +71,8 @@ def encode_batch(
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU, contiguous, as a tensor whose storage is exactly its own bytes.
-
-    ``torch.save`` stores a view's WHOLE storage (e.g. the pinned batch buffer a capture slice
-    points into), so a view is re-wrapped: a tensor over just its byte range of the same memory
-    (``torch.frombuffer``, which keeps the buffer alive), not a copy. Copying would cost a fresh
-    allocation and its page faults per shard, the largest single cost of the writer thread after
-    sha256 (``bench/extract_throughput.py --writer-only``). Same values, same ``torch.save`` bytes.
+    """``t`` on the CPU, contiguous, over exactly its own bytes: ``torch.save`` stores a view's whole storage, so a view
+    is re-wrapped with ``torch.frombuffer`` over its byte range (no copy). Same values, same saved bytes.
     """
     t = t.detach().to("cpu").contiguous()
     nbytes = t.numel() * t.element_size()
@@ -120,12 +96,8 @@ def _check_shape(
 
 
 class NonFiniteStates(UserError, ValueError):
-    """Captured hidden states with NaN/Inf: one line naming the sample (idx, conversation id), the
-    state (stored index and HF ``hidden_states`` index / last), the verifier dtype and the fix.
-
-    Raised by :func:`shard_object` (before any byte of the shard is written) with what it knows
-    (``idx``, ``k``); stage 02 adds the rest with :meth:`explained`. A ``UserError``: the CLIs print
-    ``error: ...`` and exit 2 (bad numbers from the verifier are an input problem, not a crash).
+    """NaN/Inf in captured hidden states (a UserError: the CLIs print it and exit 2): the sample (idx, conversation
+    id), the state (stored and HF index), the verifier dtype and the fix; :meth:`explained` adds what stage 02 knows.
     """
 
     def __init__(
@@ -136,13 +108,8 @@ class NonFiniteStates(UserError, ValueError):
         aux_layers: Optional[Sequence[int]] = None,
         dtype: Optional[str] = None,
     ):
-        self.idx, self.k, self.sample_id, self.aux_layers, self.dtype = (
-            int(idx),
-            int(k),
-            sample_id,
-            aux_layers,
-            dtype,
-        )
+        self.idx, self.k, self.sample_id = int(idx), int(k), sample_id
+        self.aux_layers, self.dtype = aux_layers, dtype
         conv = f" (conversation '{sample_id}')" if sample_id is not None else ""
         where = f" = {hf_layer_name(self.k, aux_layers)}" if aux_layers is not None else ""
         dt = f" with verifier.dtype {dtype}" if dtype else ""
@@ -156,7 +123,7 @@ class NonFiniteStates(UserError, ValueError):
         aux_layers: Optional[Sequence[int]] = None,
         dtype: Optional[str] = None,
     ) -> "NonFiniteStates":
-        """The same error with the fields the caller knows filled in (those already set are kept)."""
+        """The same error with the unset fields filled in."""
         return NonFiniteStates(
             self.idx,
             self.k,
@@ -166,10 +133,6 @@ class NonFiniteStates(UserError, ValueError):
         )
 
 
-def _nonfinite(idx: int, k: int) -> NonFiniteStates:
-    return NonFiniteStates(idx, k)
-
-
 def shard_object(
     input_ids: Sequence[int] | torch.Tensor,
     hidden_states: Sequence[torch.Tensor] | StoredStates | None,
@@ -177,25 +140,17 @@ def shard_object(
     storage: Storage | None = None,
     idx: int = 0,
 ) -> dict:
-    """The dict :func:`write_sample` saves for one sample (validated and converted; nothing written).
+    """The checked dict :func:`write_sample` saves for one sample (nothing written).
 
     Args:
-        input_ids: ``[L]`` token ids (any integer dtype; stored int64).
-        hidden_states: 4 tensors ``[L, H]`` (aux1, aux2, aux3, last); stored bf16 (fp8 storage:
-            quantised here with :func:`eagle3.shards.fp8.quantize_unchecked`, plus ``hidden_scales``).
-            Or a :class:`StoredStates` already in the stored form of ``storage`` (from
-            :func:`encode_batch`): only checked (shapes, dtypes, NaN/Inf through the scales or,
-            unless ``source_finite``, the values) and copied out of their batch buffer. A tensor
-            that is a view into a larger storage is re-wrapped over its own bytes (:func:`_own`),
-            because ``torch.save`` stores a view's whole storage. None: a token-only sample
-            (``eagle3-tokens-v1``: ``{"input_ids", "loss_mask"}`` only; ``storage`` is ignored).
-        loss_mask: ``[L]`` 0/1 (stored int64).
-        storage: ``None``/bf16 = speculators-v1; fp8 = float8_e4m3fn values + ``hidden_scales``.
-        idx: the sample's idx (named in errors).
+        input_ids, loss_mask: ``[L]`` integers (stored int64; the mask 0/1).
+        hidden_states: 4 x ``[L, H]`` (aux1, aux2, aux3, last), stored bf16 or quantised for fp8 ``storage``
+            (plus ``hidden_scales``); a :class:`StoredStates` is only checked and re-wrapped (:func:`_own`);
+            None: a token-only sample (``storage`` ignored).
+        idx: named in errors.
 
     Raises:
-        NonFiniteStates: NaN/Inf in a state (``sample {idx}: hidden_states[{k}] has NaN/Inf; ...``,
-            a UserError: the verifier overflowed, see :class:`NonFiniteStates`).
+        NonFiniteStates: NaN/Inf in a state.
         ValueError: wrong count, shape or dtype (a caller bug).
     """
     ids = _as_int64(input_ids)  # [L]
@@ -216,15 +171,13 @@ def shard_object(
     for k, h in enumerate(hidden_states):
         _check_shape(idx, k, h, L)
         hb = _own(h.detach().to(torch.bfloat16))  # [L, H]
-        if not all_finite(hb):  # one float32 sum; the exact scan only when that sum is not finite
-            raise _nonfinite(idx, k)
+        if not all_finite(hb):
+            raise NonFiniteStates(idx, k)
         hs.append(hb)
     obj = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
     if fp8:
         nb = storage.num_blocks(hs[0].shape[1])
-        pairs = [
-            quantize_unchecked(h, nb) for h in hs
-        ]  # [L, H] fp8, [L, nb] fp32 (input checked above)
+        pairs = [quantize_unchecked(h, nb) for h in hs]  # [L, H] fp8, [L, nb] fp32
         obj["hidden_states"] = [q for q, _ in pairs]
         obj["hidden_scales"] = [sc for _, sc in pairs]
     return obj
@@ -233,7 +186,7 @@ def shard_object(
 def _stored_object(
     ids: torch.Tensor, mask: torch.Tensor, st: StoredStates, storage: Storage | None, idx: int
 ) -> dict:
-    """:func:`shard_object` for states already in stored form: check, copy out of the batch buffer."""
+    """:func:`shard_object` for a :class:`StoredStates`: checked, out of the batch buffer."""
     L = ids.numel()
     fp8 = storage is not None and storage.is_fp8
     hs, scs = list(st.hidden_states), st.hidden_scales
@@ -260,14 +213,12 @@ def _stored_object(
                     f"sample {idx}: hidden_scales[{k}] is {sc.dtype}, expected {SCALE_DTYPE}"
                 )
             sc = _own(sc)  # [L, nb]
-            if not scales_finite(
-                sc
-            ):  # finite scales <=> finite source (eagle3.shards.fp8.quantize_unchecked)
-                raise _nonfinite(idx, k)
+            if not scales_finite(sc):  # finite scales <=> finite source
+                raise NonFiniteStates(idx, k)
             out_s.append(sc)
         hb = _own(h)  # [L, H]
         if not fp8 and not st.source_finite and not all_finite(hb):
-            raise _nonfinite(idx, k)
+            raise NonFiniteStates(idx, k)
         out_h.append(hb)
     obj = {"input_ids": ids, "hidden_states": out_h, "loss_mask": mask}
     if fp8:
@@ -275,10 +226,8 @@ def _stored_object(
     return obj
 
 
-#: Shards are written by torch's C++ writer straight to their temporary file
-#: (:func:`eagle3.io.atomic_torch_save` ``via_path=True``: few GIL round trips, so stage 02's writer
-#: threads are not starved by the capture loop); False streams them through a Python file object
-#: (``bench/extract_throughput.py --stream-save`` times both in one run). Same bytes.
+# torch's C++ writer straight to the temporary file (few GIL round trips for 02's writer threads); False
+# streams through a Python file object (bench/extract_throughput.py --stream-save). Same bytes.
 SAVE_VIA_PATH = True
 
 
@@ -292,15 +241,8 @@ def write_sample(
     storage: Storage | None = None,
     hasher=None,
 ) -> Path:
-    """Write one sample atomically (:func:`shard_object` saved with ``torch.save``) and return its path.
-
-    Args:
-        input_ids, hidden_states, loss_mask, storage: see :func:`shard_object`.
-        hasher: e.g. ``xxhash.xxh3_128()``, updated with the file's bytes.
-
-    Raises:
-        ValueError: wrong count, shape or non-finite values (a caller bug: capture must
-            never produce them).
+    """Write :func:`shard_object` of one sample atomically to :func:`eagle3.shards.format.shard_path`; ``hasher`` (e.g.
+    ``xxhash.xxh3_128()``) is updated with the file's bytes. Raises as :func:`shard_object`.
     """
     obj = shard_object(input_ids, hidden_states, loss_mask, storage, idx=idx)
     path = shard_path(root, idx, rows_per_dir)

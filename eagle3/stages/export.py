@@ -21,8 +21,8 @@ from pathlib import Path
 
 from eagle3.config import RunConfig
 from eagle3.data.vocab import load_run_vocab_map
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import untrained_positions
-from eagle3.drafter.model import DrafterArgs
 from eagle3.errors import UserError
 from eagle3.export.common import export_dtype
 from eagle3.export.folder import check_replaceable

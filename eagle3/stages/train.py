@@ -39,6 +39,7 @@ from eagle3.data.dataset import read_split
 from eagle3.data.validation_record import record_fingerprint, require_passed
 from eagle3.data.vocab import load_run_vocab_map
 from eagle3.engines.layers import check_servable
+from eagle3.export.formats import check_config_serves
 from eagle3.io import rerun_hint
 from eagle3.process_group import Dist, process_group_scope
 from eagle3.sdpa import no_cudnn_sdpa
@@ -81,6 +82,7 @@ def main(
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
     # before training (not after it) or the export
     check_export_destination(cfg.export_dir, cfg.export.engine, cfg.output_field("export"))
+    check_config_serves(cfg.export.engine, cfg.drafter.attention, cfg.drafter.mla.model_dump())
     if export_only:
         with resume_on_interrupt(lambda: export_interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line
             out = export_from_checkpoint(cfg)

@@ -1,25 +1,15 @@
-"""Training checkpoints: atomic write, newest-complete lookup with fallback, pruning, RNG state.
+"""Training checkpoints: ``{train_dir}/checkpoints/step_{N:08d}.pt`` (N optimizer steps), one weights-only-loadable
+dict written by rank 0 atomically (a file with the final name is complete), newest-loadable lookup, pruning, RNG.
 
-Layout: ``{train_dir}/checkpoints/step_{N:08d}.pt`` (N = optimizer steps taken), one
-``torch.save`` dict written by rank 0 through :func:`eagle3.io.atomic_torch_save` (temp name +
-rename), so a file with the final name is complete; a kill mid-write leaves an ignorable
-``step_*.pt.tmp-*`` file. The dict holds only tensors, numbers, strings, lists and dicts, so it
-loads with ``torch.load(weights_only=True)`` (:func:`eagle3.io.read.safe_torch_load`).
-
-Keys (:data:`REQUIRED_KEYS`): ``format``, ``step``, ``epoch``, ``samples_in_epoch`` (global
-samples of the current epoch already consumed), ``model`` (trainable parameters only: the frozen
-embedding and the d2t/t2d buffers come from the verifier and the vocab map), ``optimizer``,
-``scheduler``, ``rng`` (one entry per rank: torch/cuda/python/numpy states), ``drafter_args``,
-``config_fingerprint``, ``world_size``. Optional (a checkpoint without one skips that check on resume):
-``steps_in_epoch``, ``data_order``, ``init_from``, ``recipe`` (the values in use: :data:`eagle3.train.resume_checks.KEPT_FIELDS` from the optimizer,
-not the config), ``data_inputs`` (sha256 of the split and vocab map trained on; :func:`eagle3.train.resume_checks.check_resume`) and
-``data_config`` (what ``--export-only`` reads of the shards' data_config.json: :func:`eagle3.train.resume_checks.data_config_record`) and
-``segments`` (one part per 04 call that trained: steps, state source, processes, tokens/s;
-:func:`eagle3.train.report.segment_record`).
+Keys: :data:`REQUIRED_KEYS` (``samples_in_epoch``: global samples of the epoch consumed; ``model``: trainable
+parameters only; ``rng``: one entry per rank); optional, a resume skips the check of an absent one:
+``steps_in_epoch``, ``data_order``, ``init_from``, ``recipe``, ``data_inputs``, ``data_config``, ``segments``
+(:mod:`eagle3.train.resume_checks`, :func:`eagle3.train.report.segment_record`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -66,7 +56,7 @@ def ckpt_path(train_dir: str | os.PathLike, step: int) -> Path:
 
 
 def list_checkpoints(train_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Finished checkpoints as ``(step, path)``, oldest first; temp files (``*.tmp-*``) are ignored."""
+    """Finished checkpoints as ``(step, path)``, oldest first (temp files ignored)."""
     d = ckpt_dir(train_dir)
     if not d.is_dir():
         return []
@@ -79,10 +69,9 @@ def list_checkpoints(train_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def remove_stale_tmp(train_dir: str | os.PathLike) -> int:
-    """Delete temp files of interrupted writes: checkpoints (``checkpoints/``) and the files 04 writes directly in
-    ``train_dir`` (``best_drafter.pt``, ``sim_accept.json``, ``train_report.json``, ...: a hard kill during one left
-    a ``<name>.tmp-*`` file, as large as the drafter for the best weights, that no later run removed; not recursive
-    there). Call on rank 0 under 04's lock, before training. Returns the count."""
+    """Delete the temp files of interrupted writes in ``checkpoints/`` and directly in ``train_dir`` (rank 0, under 04's
+    lock, before training); returns the count.
+    """
     n = len(_remove_tmp(ckpt_dir(train_dir)))
     root = Path(train_dir)
     for p in root.glob(f"*{TMP_MARK}*") if root.is_dir() else ():
@@ -93,13 +82,8 @@ def remove_stale_tmp(train_dir: str | os.PathLike) -> int:
 
 
 def save_checkpoint(train_dir: str | os.PathLike, state: dict, keep: int) -> Path:
-    """Write ``state`` (must contain :data:`REQUIRED_KEYS` except ``format``) atomically, then keep the newest ``keep``.
-
-    Returns:
-        The checkpoint path.
-
-    Raises:
-        ValueError: a required key is missing (a caller bug).
+    """Write ``state`` (:data:`REQUIRED_KEYS` but ``format``) atomically, keep the newest ``keep``; returns the path.
+    ValueError on a missing key.
     """
     state = dict(state, format=FORMAT)
     missing = [k for k in REQUIRED_KEYS if k not in state]
@@ -112,24 +96,18 @@ def save_checkpoint(train_dir: str | os.PathLike, state: dict, keep: int) -> Pat
 
 
 def prune_checkpoints(train_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep >= 1`` finished checkpoints. Returns the deleted paths."""
+    """Delete all but the newest ``keep >= 1`` finished checkpoints; returns the deleted paths."""
     ckpts = list_checkpoints(train_dir)
     removed = []
     for _step, p in ckpts[: max(0, len(ckpts) - max(1, keep))]:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             p.unlink()
             removed.append(p)
-        except FileNotFoundError:
-            pass
     return removed
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load and validate one checkpoint (weights-only).
-
-    Raises:
-        UserError: truncated/corrupt/unsafe file, wrong format, or a missing key (named).
-    """
+    """Load (weights-only) and validate one checkpoint; UserError: unreadable, wrong format, missing key."""
     path = Path(path)
     state = safe_torch_load(path)
     if not isinstance(state, dict):
@@ -145,27 +123,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
 def find_latest_checkpoint(
     train_dir: str | os.PathLike, fallback: bool = True, warn: bool = True
 ) -> Optional[tuple[Path, dict]]:
-    """The newest checkpoint that loads and validates, falling back to older ones with a warning.
-
-    Every caller that needs "the newest checkpoint" goes through here (``04 --resume``: ``_Training.restore``;
-    ``04 --export-only``: ``eagle3.stages.export.export_from_checkpoint``). A file that does not load is
-    skipped with a warning naming it and why; a folder whose checkpoint files ALL fail is an error, never "no
-    checkpoint": ``--resume`` would otherwise start again from step 0 and overwrite the run's export.
+    """The newest checkpoint that loads, ``(path, state)``; None when there is no ``step_*.pt`` at all. Unloadable files
+    are skipped with a warning (``warn``: rank 0 only), but all failing is an error, never "no checkpoint".
 
     Args:
-        fallback: False = the newest file must load: when it does not but an older one does, a UserError names the
-            broken file and the older one's step (``--export-only`` is asked for the newest weights, not older
-            ones; ``--resume`` falls back, training goes on from the older step).
-        warn: log the skipped files (False: the other torchrun ranks of a ``--resume``, which load the same files;
-            rank 0 says it once).
-
-    Returns:
-        ``(path, state)``, or None when the folder holds no checkpoint file (``step_*.pt``) at all.
+        fallback: False: the newest file must load (``--export-only``), else a UserError names it and the older step.
 
     Raises:
-        UserError: checkpoint files exist but none loads; one line naming the folder, the count, the newest
-            file and why it did not load. With ``fallback=False``: the newest file does not load (one line: it, why,
-            the older step that loads, and the ways on).
+        UserError: files exist but none loads, or (``fallback=False``) the newest does not.
     """
     found = list_checkpoints(train_dir)
     newest_error: Optional[UserError] = None
@@ -202,15 +167,13 @@ def find_latest_checkpoint(
 
 
 def config_fingerprint(obj: Any) -> str:
-    """sha256 (hex, 16 chars) of a JSON-serialisable object (sorted keys): identifies the training setup."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()[
-        :16
-    ]
+    """sha256 (hex, 16 chars) of a JSON-serialisable object with sorted keys."""
+    blob = json.dumps(obj, sort_keys=True, default=str).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
-# ---- RNG ----------------------------------------------------------------------------------------
 def capture_rng() -> dict:
-    """This process's RNG states (torch CPU, all CUDA devices, Python ``random``, NumPy) as weights-only-safe values."""
+    """This process's RNG states (torch CPU, CUDA, Python, NumPy) as weights-only-safe values."""
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": _py_state_to_list(random.getstate()),
@@ -233,25 +196,18 @@ def capture_rng() -> dict:
 
 
 def restore_rng(state: dict) -> None:
-    """Inverse of :func:`capture_rng` (CUDA states restored only when the device count matches)."""
+    """Inverse of :func:`capture_rng` (CUDA only when the device count matches)."""
     torch.set_rng_state(state["torch"])
     random.setstate(_py_state_from_list(state["python"]))
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-    np_state = state.get("numpy")
-    if np_state is not None:
+    s = state.get("numpy")
+    if s is not None:
         import numpy as np
 
-        np.random.set_state(
-            (
-                np_state["name"],
-                np_state["keys"].numpy().astype("uint32"),
-                np_state["pos"],
-                np_state["has_gauss"],
-                np_state["cached_gaussian"],
-            )
-        )
+        keys = s["keys"].numpy().astype("uint32")
+        np.random.set_state((s["name"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
 
 
 def _py_state_to_list(s: tuple) -> list:

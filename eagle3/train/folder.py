@@ -1,6 +1,6 @@
-"""04's train folder: the lock one 04 holds on it (training or ``--export-only``), the refusal of existing
-checkpoints without ``--resume``, and the undoing of what a refused start created (a refused run leaves nothing
-behind)."""
+"""04's train folder: the lock one 04 holds on it, the refusal of existing checkpoints without ``--resume``, and the
+undoing of what a refused start created.
+"""
 
 from __future__ import annotations
 
@@ -16,25 +16,21 @@ from eagle3.train import resume_checks
 from eagle3.train.ranks import any_rank
 from eagle3.verifier.head import FILENAME as TARGET_HEAD_FILE
 
-TRAIN_LOCK = (
-    ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
-)
-#: 04's disk-full advice (:func:`eagle3.io.rerun_hint`): the same command without --resume refuses the checkpoints.
+TRAIN_LOCK = ".train.lock"  # held while a 04 trains or exports in train_dir
+# 04's disk-full advice (eagle3.io.rerun_hint)
 REDO_HINT = "re-run the same command with --resume (04 continues from the newest checkpoint)"
 
 
 def train_lock_holder(train_dir: Path) -> str:
-    """What a second 04 is told when ``{train_dir}/.train.lock`` is held (training and ``--export-only`` both hold
-    it): the text after ``<lock>: `` in its one-line error."""
+    """The text after ``<lock>: `` when a second 04 finds ``.train.lock`` held."""
     return f"another 04_train run is training or exporting in {train_dir}; wait for it to end (or stop it) before this one"
 
 
 @contextlib.contextmanager
 def train_lock(train_dir: Path, d: Dist, field: str = "train.output_dir"):
-    """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
-    the same train folder stops at once with one line on every rank (else it would delete the first's in-flight
-    checkpoint temp files and append a second copy of every metrics row). The folders this call created are removed
-    again when the block fails and leaves them empty (a refused run leaves nothing behind)."""
+    """Hold ``{train_dir}/.train.lock`` (rank 0) for the whole of 04: a second 04 on the folder stops at once with one line
+    on every rank. Folders this call created are removed when the block fails and leaves them empty.
+    """
     created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
     holder = train_lock_holder(train_dir)
     with contextlib.ExitStack() as stack:
@@ -59,24 +55,16 @@ def train_lock(train_dir: Path, d: Dist, field: str = "train.output_dir"):
 
 @contextlib.contextmanager
 def undo_on_refusal(train_dir: Path, enabled: bool):
-    """Around 04's setup steps (inputs, data, optimisation, resume; nothing of the loop): on a UserError (or a signal:
-    ``KeyboardInterrupt``, :func:`stop_before_training`), remove what
-    this call created before the refusal, i.e. ``{train_dir}/target_head.safetensors`` when it was not there before
-    and ``train_dir`` itself when this call made it and it is empty again. Files an earlier run made are kept.
-    ``enabled``: rank 0 (the rank that writes).
-
-    Raises:
-        the UserError / KeyboardInterrupt, unchanged.
+    """Around 04's setup: on a UserError or KeyboardInterrupt, rank 0 (``enabled``) removes what this call created
+    (``target_head.safetensors``, an empty ``train_dir``), then re-raises; an earlier run's files are kept.
     """
     head = Path(train_dir) / TARGET_HEAD_FILE
     had_dir, had_head = Path(train_dir).exists(), head.exists()
     try:
         yield
-    # a refusal, or a signal before the first step (stop_before_training)
     except (UserError, KeyboardInterrupt):
         if enabled:
             if not had_head:
-                # train_dir a file (the refusal says so): nothing to remove
                 with contextlib.suppress(OSError):
                     head.unlink(missing_ok=True)
             if not had_dir:
@@ -92,12 +80,8 @@ def check_train_dir(
     resume: bool,
     current: Optional[Callable[[], dict]] = None,
 ) -> None:
-    """Folder step (after the inputs are read, before anything is written): refuse existing checkpoints without
-    ``resume`` (:func:`without_resume_refusal`: the advice depends on whether ``--resume`` would take them, judged
-    against ``current()``, :func:`eagle3.train.inputs.resume_current`, called only then); drop stale temp files of an interrupted run.
-
-    Raises:
-        UserError: checkpoints in the folder and no ``resume``.
+    """Refuse existing checkpoints without ``resume`` (:func:`without_resume_refusal`, judged against ``current()``, called
+    only then); drop stale temp files (rank 0).
     """
     if ckpt.list_checkpoints(train_dir) and not resume:
         raise UserError(
@@ -108,15 +92,10 @@ def check_train_dir(
 
 
 def without_resume_refusal(train_dir: Path, data_dir: Path, current: Optional[dict]) -> str:
-    """The one line refusing a 04 without ``--resume`` in a train folder that holds checkpoints. It advised
-    ``pass --resume`` also when that resume would be refused (other drafter shape, batching, loss, split, vocab map,
-    aux layers or verifier weights than the checkpoint's; files none of which loads), so the advice cost one more
-    refused run. The resume's checks (:func:`eagle3.train.checkpoint.find_latest_checkpoint` and
-    :func:`eagle3.train.resume_checks.check_resume` against ``current``, :func:`eagle3.train.inputs.resume_current`; None: not judged) now
-    run first: when they pass, ``pass --resume to continue`` (naming the step a resume takes when the newest file does
-    not load); when they fail, why, and what 04 offers instead (a new ``train.output_dir``, or deleting the checkpoints
-    folder: 04 has no ``--overwrite``). The step horizon (a checkpoint past the run's end) is checked by the resume
-    itself, later.
+    """The one line refusing a 04 without ``--resume`` in a folder with checkpoints: ``pass --resume`` when the resume's
+    checks against ``current`` (:func:`eagle3.train.inputs.resume_current`; None: not judged) pass (naming the step
+    taken when the newest file does not load), else why not and the alternatives (a new ``train.output_dir``, or
+    deleting the checkpoints).
     """
     where = ckpt.ckpt_dir(train_dir)
     existing = ckpt.list_checkpoints(train_dir)
@@ -131,9 +110,6 @@ def without_resume_refusal(train_dir: Path, data_dir: Path, current: Optional[di
             f"{head}, and --resume would refuse them: {e}; so train into a new folder (--set "
             f"train.output_dir=...), or delete {where} to start this one over (04 has no --overwrite)"
         )
-    older = (
-        ""
-        if int(state["step"]) == existing[-1][0]
-        else f" from step {state['step']}, the newest that loads"
-    )
+    older = f" from step {state['step']}, the newest that loads"
+    older = "" if int(state["step"]) == existing[-1][0] else older
     return f"{head}; pass --resume to continue{older}, or set train.output_dir to a new folder"

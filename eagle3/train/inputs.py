@@ -1,6 +1,7 @@
-"""Stage 04's setup (:class:`Setup`: the config sections and folders it reads): inputs (data metadata, vocab map, split, drafter shape, verifier head,
-drafter init and warm start, hidden-state source), the data (datasets, order, step horizon) and the optimisation
-(TTT objective, DDP / compile, AdamW, warmup + cosine schedule), each checked before the first write."""
+"""Stage 04's setup from :class:`Setup` (the config sections and folders it reads): inputs (drafter shape, verifier
+head, init and warm start, hidden-state source), data (datasets, order, step horizon) and optimisation (TTT
+objective, DDP / compile, AdamW, warmup + cosine schedule), each checked before the first write.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eagle3.data.batching import sample_lengths
 from eagle3.data.dataset import ShardDataset
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.mla import mla_drafter_fields
-from eagle3.drafter.model import DrafterArgs
 from eagle3.engines.context import check_context_length
 from eagle3.errors import UserError
 from eagle3.io import make_dirs
@@ -47,8 +48,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Setup:
-    """What 04's setup reads of the run: the config's ``train``, ``drafter``, ``verifier`` and ``extract`` sections,
-    the run's folders, and the config key that names ``train_dir`` (for its errors)."""
+    """The config's ``train``, ``drafter``, ``verifier`` and ``extract`` sections, the run's folders, ``train_dir``'s key."""
 
     train: Any
     drafter: Any
@@ -61,36 +61,23 @@ class Setup:
 
 
 def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: bool = True):
-    """``DrafterArgs`` from the ``drafter`` section of ``s`` (a :class:`Setup`, or the run config: the same
-    attributes); ``null`` fields are copied from the verifier config.
-
-    The verifier config is read (``eagle3.verifier.load.load_verifier_config``, no weights) only when
-    some field is null; then :meth:`eagle3.drafter.model.DrafterArgs.from_hf_config` fills it from the
-    text model config (nested ``text_config`` unwrapped), with ``head_dim`` = hidden / heads for
-    MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.load.verifier_dims`). Vocab sizes come from
-    ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``. ``warn_context``: warn when the draft's
-    context is below the verifier's (:func:`warn_short_context`; 04's start); ``--export-only`` passes False, since
-    the export's own check then says it once, as the error (SGLang) or the warning (vLLM).
+    """``DrafterArgs`` from ``s.drafter`` (``s``: a :class:`Setup` or the run config); null fields come from the verifier
+    config (read only then; ``head_dim``: :func:`_head_dim`), vocab sizes from ``vocab``, ``target_hidden_size`` from
+    ``data_config``. ``warn_context``: :func:`warn_short_context` (``--export-only`` passes False: its export says it).
 
     Raises:
-        UserError: unreadable verifier config, or an invalid shape (field named by ``DrafterArgs``).
+        UserError: unreadable verifier config or an invalid shape (field named).
     """
 
     def checked(args):
         return warn_short_context(s, args) if warn_context else args
 
     fields = (
-        "hidden_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "rms_norm_eps",
-        "rope_theta",
-        "max_position_embeddings",
-    )
+        "hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size rms_norm_eps "
+        "rope_theta max_position_embeddings"
+    ).split()
     given = {f: getattr(s.drafter, f) for f in fields}
-    fixed = dict(
+    fixed = dict(  # vocab sizes from the map, the feature width from the shards
         draft_vocab_size=int(vocab["draft_vocab_size"]),
         target_vocab_size=int(vocab["target_vocab_size"]),
         target_hidden_size=int(data_config["hidden_size"]),
@@ -122,8 +109,7 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
 
 
 def _head_dim(given: dict, dims: dict) -> int:
-    """``drafter.head_dim``, or when null: hidden / heads when either of those is set, else the verifier's (MLA
-    verifiers: :func:`eagle3.verifier.load.verifier_dims`)."""
+    """``drafter.head_dim``, else hidden / heads when either is set, else the verifier's (MLA: ``verifier_dims``)."""
     if given["head_dim"] is not None:
         return given["head_dim"]
     if given["hidden_size"] is not None or given["num_attention_heads"] is not None:
@@ -133,12 +119,7 @@ def _head_dim(given: dict, dims: dict) -> int:
 
 
 def warn_short_context(s: Setup, args):
-    """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
-    SGLang will be refused, vLLM caps the draft (:func:`eagle3.engines.context.check_context_length`).
-
-    Returns:
-        ``args`` unchanged.
-    """
+    """Warn when the drafter's context is below the verifier's (SGLang export refused, vLLM caps it); returns ``args``."""
     try:
         check_context_length(args, verifier_context_length(s.verifier), "sglang")
     except UserError as e:
@@ -147,13 +128,7 @@ def warn_short_context(s: Setup, args):
 
 
 def warn_world_size(s: Setup, d: Dist) -> Optional[str]:
-    """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number (a plain
-    ``python 04_train.py`` would train with a fraction of the planned global batch). Only a value the config sets is
-    compared (the default 1 is not a plan), and a resume on fewer GPUs stays possible: a warning, not a refusal.
-
-    Returns:
-        The warning's text, or None.
-    """
+    """Warn (rank 0) when ``train.nproc_per_node`` is set and differs from the process count; returns the text or None."""
     want = s.train.nproc_per_node
     if "nproc_per_node" not in s.train.model_fields_set or want == d.world:
         return None
@@ -175,14 +150,8 @@ def warn_world_size(s: Setup, d: Dist) -> Optional[str]:
 
 
 def prepare_target_head(s: Setup, data_config: dict, d: Dist) -> TargetHead:
-    """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
-
-    Extraction reads only the three tensors from a safetensors checkpoint
-    (:func:`eagle3.verifier.head.load_target_head_from_safetensors`, Kimi-sized verifiers), or
-    loads the model through transformers for GGUF verifiers (:func:`eagle3.verifier.load.load_verifier`).
-
-    Raises:
-        UserError: the head does not match ``data_config.json`` (hidden size, vocab size, norm convention).
+    """``{train_dir}/target_head.safetensors`` (rank 0 extracts it from the verifier first when missing: three tensors of
+    a safetensors checkpoint, or the model through transformers for GGUF). UserError: unlike ``data_config.json``.
     """
     path = s.train_dir / TARGET_HEAD_FILE
     if d.is_main and not path.is_file():
@@ -226,31 +195,18 @@ def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
 
 
 def recipe(s: Setup) -> dict:
-    """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
-    :func:`eagle3.train.resume_checks.recipe_changes` compares on ``--resume``, naming the fields that differ."""
+    """The training recipe a checkpoint records (key ``recipe``, dotted config keys), compared on ``--resume``."""
     t = s.train
-    out = {
-        f"train.{k}": getattr(t, k)
-        for k in (
-            "ttt_length",
-            "step_weight",
-            "loss",
-            "lk_eta",
-            "lr",
-            "weight_decay",
-            "warmup_ratio",
-            "epochs",
-            "max_steps",
-            "grad_clip",
-        )
-    }
+    keys = (
+        "ttt_length step_weight loss lk_eta lr weight_decay warmup_ratio epochs max_steps grad_clip"
+    )
+    out = {f"train.{k}": getattr(t, k) for k in keys.split()}
     out["extract.max_length"] = s.extract.max_length
     return out
 
 
 def resume_current(s: Setup, args, split: dict, vocab: dict, data_config: dict) -> dict:
-    """The run now, as :func:`eagle3.train.resume_checks.check_resume` compares it with a checkpoint: ``drafter_args``,
-    ``data_order``, ``recipe``, ``data_inputs``."""
+    """The run now as :func:`eagle3.train.resume_checks.check_resume` compares it."""
     return {
         "drafter_args": dataclasses.asdict(args),
         "data_order": data_order(
@@ -262,22 +218,10 @@ def resume_current(s: Setup, args, split: dict, vocab: dict, data_config: dict) 
 
 
 def fingerprint(s: Setup, args) -> str:
+    """The checkpoint's ``config_fingerprint`` of the training settings (``loss`` keys only when not soft_ce)."""
     t = s.train
-    keep = {
-        k: getattr(t, k)
-        for k in (
-            "ttt_length",
-            "step_weight",
-            "lr",
-            "weight_decay",
-            "warmup_ratio",
-            "epochs",
-            "batch_size",
-            "grad_accum",
-            "grad_clip",
-            "seed",
-        )
-    }
+    keys = "ttt_length step_weight lr weight_decay warmup_ratio epochs batch_size grad_accum grad_clip seed"
+    keep = {k: getattr(t, k) for k in keys.split()}
     # recorded only when set, so that fingerprints of earlier runs stay what they were
     if t.loss != "soft_ce":
         keep.update(loss=t.loss, lk_eta=t.lk_eta)
@@ -292,9 +236,10 @@ def fingerprint(s: Setup, args) -> str:
 
 @dataclass
 class Inputs:
-    """What the inputs step fixes: metadata, vocab map, split, drafter shape and init, the verifier head on the
-    device (``head_lm`` ``[V, Ht]``, ``head_norm`` ``[Ht]`` or None when the last state is post-norm), the
-    autocast and feature dtypes, and the source of the hidden states (:mod:`eagle3.train.online`)."""
+    """What the inputs step fixes: metadata, vocab map, split, drafter shape and init, the verifier head on the device
+    (``head_lm`` ``[V, Ht]``, ``head_norm`` ``[Ht]`` or None for a post-norm last state), autocast and feature dtypes,
+    the hidden-state source; ``init_from``: the warm start of this call (None: cold or resumed).
+    """
 
     data_config: dict
     vocab: dict
@@ -309,17 +254,15 @@ class Inputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     states: Any
-    init_from: Optional[str] = (
-        None  # the train.init_from this call warm-started from (None: cold or resumed)
-    )
+    init_from: Optional[str] = None
 
 
 def _drafter_and_folder(
     s: Setup, d: Dist, data_config: dict, vocab: dict, split: dict, resume: bool, lock
 ):
-    """The drafter shape and the warm-start plan, checked before anything is written (a bad input is the first
-    error and leaves no empty train/ folder behind); then 04's lock (``lock()``) and the folder check. Returns
-    ``(args, warm)``."""
+    """The drafter shape and warm-start plan, checked before anything is written; then 04's lock (``lock()``) and the
+    folder check. Returns ``(args, warm)``.
+    """
     args = build_drafter_args(s, data_config, vocab)
     if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head
         raise UserError(
@@ -328,13 +271,11 @@ def _drafter_and_folder(
             f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
             f"null, the verifier's)"
         )
-    # checked before the first write (the full check: after the head)
     warm = warm_start_planned(
         s.train.init_from, s.train_dir, d.is_main, resume, args, resume_checks.DRAFTER_CONFIG_KEYS
     )
     if lock is not None:
-        lock()  # 04's lock on train_dir, before the folder check deletes stale temp files
-    # with this run's process count, as the resume compares it (a split keeping the global batch is taken)
+        lock()  # before the folder check deletes stale temp files
     check_train_dir(
         s.train_dir,
         s.data_dir,
@@ -356,11 +297,10 @@ def load_inputs(
     stop_check: Callable[[], None] = lambda: None,
     lock: Optional[Callable[[], None]] = None,
 ) -> Inputs:
-    """Inputs step, after the stage read and checked ``data_config.json``, the vocab map and the split: drafter
-    shape and warm-start plan (:func:`_drafter_and_folder`), the verifier head, drafter init (+ warm start:
-    ``init(embed_weight [V, H], data_config)`` loads ``train.init_from``'s drafter), and the hidden-state source
-    (shards, or the verifier / capture servers for ``train.hidden_states: online``). ``stop_check()`` between these
-    honours a signal (it raises)."""
+    """The inputs step: drafter shape and plan, the verifier head, drafter init and warm start (``init(embed_weight
+    [V, H], data_config)`` loads ``train.init_from``'s drafter), the hidden-state source; ``stop_check()`` between
+    them honours a signal.
+    """
     args, warm = _drafter_and_folder(s, d, data_config, vocab, split, resume, lock)
     stop_check()
     head = prepare_target_head(s, data_config, d)  # the first write: target_head.safetensors
@@ -382,9 +322,7 @@ def load_inputs(
         amp=amp,
         feat_dtype=feat_dtype,
         head_lm=head.lm_head.to(d.device, feat_dtype),  # [V, Ht]
-        head_norm=None
-        if head.last_is_post_norm
-        else head.norm_weight.to(d.device, feat_dtype),  # [Ht]
+        head_norm=None if head.last_is_post_norm else head.norm_weight.to(d.device, feat_dtype),
         head_eps=float(head.norm_eps),
         d2t=vocab["d2t"].to(d.device),
         t2d=vocab["t2d"].to(d.device),
@@ -398,8 +336,7 @@ def load_inputs(
 
 
 def _state_source(s: Setup, d: Dist, data_config: dict, feat_dtype: torch.dtype):
-    """Where the hidden states come from (:func:`eagle3.train.online.state_source`; online loads the verifier);
-    online over shards that hold states says so (rank 0)."""
+    """The hidden-state source (:func:`eagle3.train.online.state_source`), with rank 0's note on unused shard states."""
     t = s.train
     unused = unused_shard_states_note(t.hidden_states, s.extract.backend, s.shards_dir, data_config)
     if unused and d.is_main:
@@ -417,8 +354,7 @@ def _state_source(s: Setup, d: Dist, data_config: dict, feat_dtype: torch.dtype)
 
 
 def _warm_start(s: Setup, d: Dist, drafter, init: Optional[Callable], data_config: dict):
-    """``train.init_from``'s tensors into ``drafter`` (:func:`eagle3.train.warm_start.warm_start`); ``init`` loads
-    the export (``init(embed_weight [V, H], data_config)``)."""
+    """``train.init_from``'s tensors into ``drafter`` (``init`` loads the export)."""
     if init is None:
         raise UserError(
             "train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))"
@@ -438,26 +374,24 @@ def _warm_start(s: Setup, d: Dist, drafter, init: Optional[Callable], data_confi
 
 @dataclass
 class Data:
-    """What the data step fixes: datasets, the training order of this rank, the step horizon, eval cadence."""
+    """What the data step fixes: datasets, this rank's order, the step horizon and what set it, the eval cadence."""
 
     train_ds: ShardDataset
     val_ds: Optional[ShardDataset]
     order: TrainData
     total_steps: int
     val_lengths: Optional[list[int]]
-    eval_every: Optional[
-        int
-    ]  # train.eval_every; None = at the end of each epoch (:meth:`eagle3.train.loop.TrainLoop.eval_due`)
-    horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
+    eval_every: Optional[int]  # None: at the end of each epoch
+    horizon: Optional[int]  # max_steps / train.max_steps (None: the epochs decide)
     horizon_from: str = (
-        "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
+        "train.epochs"  # what sets total_steps: "--max-steps N" / "train.max_steps N"
     )
 
 
 def build_data(s: Setup, d: Dist, inputs: Inputs, max_steps: Optional[int]) -> Data:
-    """Data step: train/val datasets over the shards (items without states when they are computed online),
-    the data order (:class:`eagle3.train.order.TrainData`), total optimizer steps (``max_steps`` /
-    ``train.max_steps`` cap)."""
+    """The data step: datasets over the shards (without states when computed online), the order, the total optimizer
+    steps (capped by ``max_steps`` / ``train.max_steps``).
+    """
     t = s.train
     max_len = int(inputs.data_config["max_length"])
     split_file = s.data_dir / "split.json"  # named in a missing-shard error
@@ -505,9 +439,7 @@ def build_data(s: Setup, d: Dist, inputs: Inputs, max_steps: Optional[int]) -> D
 
 
 def _data_notes(s: Setup, data: Data, given: str) -> None:
-    """Rank 0's lines about the data step: a step cap above the epochs' steps (it changes nothing), the samples an
-    epoch leaves out, and a ``train.select_best: sim_accept`` that has nothing or only the final validation to
-    select from."""
+    """Rank 0's lines: a cap above the epochs' steps, the samples an epoch leaves out, sim_accept with nothing to select."""
     t, order = s.train, data.order
     if data.horizon is not None and data.horizon > order.total_steps:
         log.warning(
@@ -526,21 +458,16 @@ def _data_notes(s: Setup, data: Data, given: str) -> None:
     if data.val_ds is None:
         log.warning(no_val_selection(s))
     elif t.eval_every is not None and t.eval_every >= data.total_steps:
-        log.warning(no_periodic_validation(t.eval_every, data.total_steps))
-
-
-def no_periodic_validation(eval_every: int, total_steps: int) -> str:
-    """The warning of ``train.select_best: sim_accept`` with a ``train.eval_every`` not below the run's optimizer
-    steps: the final validation is the only one, so nothing is selected (the run used to say nothing)."""
-    return (
-        f"train.eval_every {eval_every} is not below the run's {total_steps} optimizer steps: only the final "
-        f"validation runs and train.select_best: sim_accept has only that one to select from, so the last step's "
-        f"weights are exported (lower train.eval_every, or leave it unset to validate at each epoch's end)"
-    )
+        log.warning(
+            f"train.eval_every {t.eval_every} is not below the run's {data.total_steps} optimizer steps: only "
+            f"the final validation runs and train.select_best: sim_accept has only that one to select from, so "
+            f"the last step's weights are exported (lower train.eval_every, or leave it unset to validate at "
+            f"each epoch's end)"
+        )
 
 
 def no_val_selection(s: Setup) -> str:
-    """The warning of ``train.select_best: sim_accept`` without a validation split (nothing to select from)."""
+    """The warning of ``train.select_best: sim_accept`` without a validation split."""
     return (
         f"train.select_best: sim_accept has no validation split to select from ({s.data_dir / 'split.json'} "
         f"key 'val' is empty: stage 03 ran with data.val_fraction 0); the last step's weights are exported instead"
@@ -558,11 +485,10 @@ class Optimisation:
 
 
 def build_optimisation(s: Setup, d: Dist, inputs: Inputs, total_steps: int) -> Optimisation:
-    """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
-    parameters, the warmup + cosine schedule over ``total_steps``."""
+    """The optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable parameters, the warmup +
+    cosine schedule over ``total_steps``.
+    """
     t = s.train
-    # auto = off: the loss rows keep only their bf16 logits per TTT step, and recomputing them cost 12% of a step
-    # (bench/small_train_speed.py); under torch.compile(dynamic=True) logit checkpointing fails in dynamo.
     ckpt_logits = t.checkpoint_logits == "on"
     if t.compile and ckpt_logits:
         raise UserError(
@@ -576,7 +502,6 @@ def build_optimisation(s: Setup, d: Dist, inputs: Inputs, total_steps: int) -> O
     if d.distributed:
         model = DDP(objective, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     if t.compile:
-        # Variable batch lengths: dynamic shapes avoid one recompile per sequence length.
         if t.batch_tokens is not None and d.is_main:
             log.warning(
                 "train.compile with train.batch_tokens: batch size, length and loss-row count all vary; "
@@ -587,6 +512,6 @@ def build_optimisation(s: Setup, d: Dist, inputs: Inputs, total_steps: int) -> O
     params = [p for p in inputs.drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, weight_decay=t.weight_decay, fused=d.device.type == "cuda"
-    )  # fused kernel: one launch for all params
+    )
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
     return Optimisation(objective, model, params, optimizer, scheduler, fingerprint(s, inputs.args))

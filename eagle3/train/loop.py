@@ -1,11 +1,9 @@
-"""The TTT training core: one optimizer step, micro-batches, the step-normalised loss, validation.
+"""The TTT training core: one optimizer step over micro-batches with the step-normalised loss, and validation.
 
-Loss normalisation (DESIGN.md "Loss normalisation"): the loss of TTT step ``i`` is the sum of the token
-cross-entropies over the counted positions of the whole optimizer step (all micro-batches, all ranks) divided by
-their number, so the gradient does not depend on how the step's samples are split into micro-batches and ranks
-(batch 2 x accumulation 1 == batch 1 x accumulation 2 == 2 ranks x batch 1). Each micro-batch's counts are taken
-before any backward pass of the step and summed over ranks by one all-reduce per optimizer step
-(:func:`eagle3.losses.ttt.step_denominators`). No host syncs in a step except at log steps (every ``log_every``).
+Loss normalisation (DESIGN.md "Loss normalisation"): TTT step ``i``'s loss is its summed token loss over the counted
+positions of the whole optimizer step (all micro-batches, all ranks) divided by their number, so the gradient does
+not depend on the micro-batch / rank split. Counts are taken before any backward and summed over ranks by one
+all-reduce per step (:func:`eagle3.losses.ttt.step_denominators`). No host sync except at log steps.
 """
 
 from __future__ import annotations
@@ -45,15 +43,10 @@ TARGET_CHUNK = 2048  # positions per lm_head chunk in compute_targets (bounds th
 
 
 class TTTObjective(nn.Module):
-    """The drafter + TTT loss as one ``forward``, so that DDP sees every trainable use in forward.
-
-    ``forward(input_ids [B,L] int64, aux [B,L,3Ht], target_logp, in_draft, target_argmax, loss_mask [B,L] | None,
-    denom [K] float32 | None, loss_pos [M] int64 | None) -> (loss scalar, metrics)``: with ``loss_pos`` the targets
-    are the ``[M, dV]``, ``[M]``, ``[M]`` rows of :func:`eagle3.losses.rows.row_targets` and the loss is
-    :func:`eagle3.losses.rows.ttt_loss_rows` (what training uses); else ``[B, L, ...]`` targets and
-    :func:`eagle3.losses.ttt.ttt_loss` (same sums). ``metrics``: per-TTT-step tensors ``[K]`` (``loss``, ``ce_sum``,
-    ``acc``, ``correct``, ``count``); ``denom`` None = this batch's own counts. ``checkpoint_logits``: recompute each
-    step's logits in backward instead of storing them.
+    """The drafter + TTT loss as one ``forward`` (so DDP sees every trainable use): ``forward(input_ids [B, L], aux
+    [B, L, 3Ht], *targets, loss_mask [B, L] | None, denom [K] | None, loss_pos [M] | None) -> (loss, metrics [K] each)``.
+    With ``loss_pos``: row targets and :func:`eagle3.losses.rows.ttt_loss_rows` (training); else ``[B, L]`` targets and
+    :func:`eagle3.losses.ttt.ttt_loss` (same sums). ``checkpoint_logits``: recompute each step's logits in backward.
     """
 
     def __init__(
@@ -108,7 +101,7 @@ def _autocast(d: Dist, amp: Optional[torch.dtype]):
 
 
 def _call(model: nn.Module, b: dict, tg, denom=None):
-    """``model`` on batch ``b`` with targets ``tg``: the loss-row path when ``b`` lists ``loss_pos``."""
+    """``model`` on batch ``b`` with targets ``tg`` (the loss-row path when ``b`` has ``loss_pos``)."""
     if "loss_pos" in b:
         return model(b["input_ids"], b["aux"], *tg, None, denom, loss_pos=b["loss_pos"])
     return model(b["input_ids"], b["aux"], *tg, b["loss_mask"], denom)
@@ -122,22 +115,18 @@ def backward_step(
     d: Dist,
     amp: Optional[torch.dtype] = None,
 ) -> list[dict]:
-    """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss: the counted
-    positions ``N_i`` of TTT step ``i`` are summed over micro-batches and ranks before any backward pass (one
-    all-reduce, no host sync), then each micro-batch backpropagates ``sum_i step_weight**i * S_i / N_i`` (DDP
-    ``no_sync`` on all but the last). Gradients accumulate into ``.grad``; the caller clips, steps and zeroes.
+    """Forward + backward of every micro-batch of ONE optimizer step: the counts ``N_i`` of all micro-batches and ranks
+    first (one all-reduce, no host sync), then each micro-batch backpropagates ``sum_i step_weight**i * S_i / N_i``
+    (DDP ``no_sync`` on all but the last). Every rank calls it once per step; the caller clips, steps and zeroes.
 
     Args:
-        model: :class:`TTTObjective`, possibly wrapped in DDP and/or ``torch.compile``.
-        batches: this rank's micro-batches on the device (``input_ids`` ``[B,L]``, ``aux`` ``[B,L,3Ht]``, and
-            ``loss_pos`` ``[M]`` or ``loss_mask`` ``[B,L]``); sizes may differ between micro-batches.
-        targets: :class:`eagle3.losses.ttt.TTTTargets` of each batch (all alive at once).
-        ttt_length: ``K``.
-        d: this process's :class:`Dist` (every rank must call this once per optimizer step).
-        amp: autocast dtype on the device, or None.
+        model: :class:`TTTObjective`, maybe wrapped in DDP and/or ``torch.compile``.
+        batches: this rank's device micro-batches (``input_ids``, ``aux``, ``loss_pos`` or ``loss_mask``).
+        targets: each batch's :class:`eagle3.losses.ttt.TTTTargets`.
+        amp: autocast dtype, or None.
 
     Returns:
-        The detached per-TTT-step metrics of each micro-batch.
+        Each micro-batch's detached per-TTT-step metrics.
     """
     counts = [
         ttt_row_counts(b["loss_pos"], b["input_ids"].shape[1], tg.in_draft, ttt_length)
@@ -159,7 +148,7 @@ def backward_step(
 
 
 def move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
-    """Copy a collated batch to ``device``; fp8 features (+ scales) are dequantised there, after the copy."""
+    """A collated batch on ``device`` (floats in ``float_dtype``); fp8 features dequantised after the copy."""
     nb = device.type == "cuda"
     out = {}
     for k, v in batch.items():
@@ -171,8 +160,7 @@ def move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> d
 
 
 def close_iter(it) -> None:
-    """Stop a batch iterator now: loader workers end when the last reference goes; an online capture iterator
-    (:mod:`eagle3.train.online`) stops its threads (``close``). Returns None (to clear the name)."""
+    """Stop a batch iterator now (loader workers, online capture threads); returns None."""
     close = getattr(it, "close", None)
     if callable(close):
         close()
@@ -198,20 +186,16 @@ class TrainLoop:
     """One rank's optimizer steps after setup.
 
     Args:
-        s: :class:`LoopSettings`.
-        d: this process.
-        inputs: drafter, verifier head on the device (``head_lm`` ``[V, Ht]``, ``head_norm``, ``head_eps``,
-            ``d2t``, ``t2d``), ``amp``, ``feat_dtype`` and the hidden-state source ``states``
-            (:mod:`eagle3.train.online`).
+        s: :class:`LoopSettings`; d: this process.
+        inputs: drafter, verifier head (``head_lm`` ``[V, Ht]``, ``head_norm``, ``head_eps``, ``d2t``, ``t2d``),
+            ``amp``, ``feat_dtype``, hidden-state source ``states``.
         data: ``order`` (:class:`eagle3.train.order.TrainData`), ``val_ds``, ``val_lengths``, ``eval_every``.
-        opt: ``objective`` (:class:`TTTObjective`), ``model`` (it wrapped in DDP / compile), ``params``,
-            ``optimizer``, ``scheduler``.
-        pos: :class:`Progress` (restored by :func:`eagle3.train.resume.restore` on a resume).
-        save: writes a checkpoint at ``pos.step`` and returns its path (every rank calls it).
-        before_first_step: called before this call's first step (honours a stop signal that came at start-up).
+        opt: ``objective``, ``model`` (wrapped), ``params``, ``optimizer``, ``scheduler``.
+        pos: :class:`Progress`; save: checkpoint at ``pos.step`` (every rank), returns its path.
+        before_first_step: called before this call's first step (a stop signal at start-up).
 
-    Set before :meth:`run`: ``metrics`` (the sink of train / val rows, :class:`eagle3.train.metrics.Metrics`) and
-    ``tracker`` (:class:`eagle3.train.sim_accept.BestTracker`).
+    Set before :meth:`run`: ``metrics`` (:class:`eagle3.train.metrics.Metrics`), ``tracker``
+    (:class:`eagle3.train.sim_accept.BestTracker`).
     """
 
     def __init__(
@@ -272,8 +256,9 @@ class TrainLoop:
         self.paused = 0.0  # seconds of validation / checkpoints inside the window (not counted)
 
     def train_step(self, it) -> tuple[torch.Tensor, float]:
-        """One optimizer step: ``grad_accum`` micro-batches from ``it``, forward + backward (:func:`backward_step`),
-        clipping, AdamW, schedule. Returns ``(grad norm (device), LR used)``."""
+        """One optimizer step: ``grad_accum`` micro-batches, :func:`backward_step`, clipping, AdamW, schedule. Returns
+        ``(grad norm (device), LR used)``.
+        """
         s, o, p = self.s, self.opt, self.pos
         batches = []
         for _micro in range(s.grad_accum):
@@ -298,8 +283,7 @@ class TrainLoop:
         return grad_norm, lr_used
 
     def log_step(self, grad_norm: torch.Tensor, lr_used: float) -> None:
-        """The window's loss/accuracy over all ranks, LR, grad norm, tokens/s (host sync here only); online, the
-        NaN/Inf flag of the window's verifier states (:meth:`check_states`)."""
+        """The window's metrics over all ranks, LR, grad norm, tokens/s (the one host sync); online, the NaN check."""
         p = self.pos
         self.check_states()
         means = Accum.summarize(reduce_totals(self.window.totals(), self.d), self.s.step_weight)
@@ -322,14 +306,12 @@ class TrainLoop:
         self._new_window()
 
     def check_states(self) -> None:
-        """Stop every rank with a UserError when some rank's online verifier states were NaN/Inf since the last
-        check (:meth:`eagle3.train.online.VerifierStates.states_finite`; offline shards were checked by 02)."""
+        """UserError on every rank when some rank's online states were NaN/Inf since the last check."""
         if any_rank(not self.inputs.states.states_finite(), self.d):
             raise self.inputs.states.nonfinite_error(self.pos.step)
 
     def after_step(self, stop: StopFlag, stop_after: Optional[int]) -> bool:
-        """Between optimizer steps (not counted in tokens/s): periodic validation, the stop decision (all ranks
-        agree), checkpoints. Returns True when the run stops here."""
+        """Between steps (not timed): periodic validation, the stop decision (all ranks agree), checkpoints. True: stop here."""
         p = self.pos
         t_pause = time.perf_counter()
         if self.eval_due() and p.step != p.end_step:  # the end step: the stage validates
@@ -345,54 +327,36 @@ class TrainLoop:
         return p.stopped
 
     def eval_due(self) -> bool:
-        """Validate after this step? Every ``eval_every`` steps when set; else at the end of each epoch, counted by
-        the epoch's own step count (it varies with token-budget batches and after a resume on another process
-        count)."""
+        """Validate now? Every ``eval_every`` steps when set, else at each epoch's end."""
         if self.data.eval_every is not None:
             return self.pos.step % self.data.eval_every == 0
         return self.pos.step_in_epoch >= self.data.order.steps_in_epoch(self.pos.epoch)
 
     def log_validation(self, val: dict) -> None:
-        """A validation's metrics (:meth:`validate`; {} without a val split) to the best-weights tracker, then to the
-        metrics: the best weights are on disk before the row is logged, so a logged validation is never lost."""
+        """A validation's metrics to the best-weights tracker (on disk first), then to the metrics."""
         p = self.pos
         if val:
             self.tracker.update(p.step, p.epoch, val, self.inputs.drafter)
             self.metrics.write({"kind": "val", "step": p.step, "epoch": p.epoch, **val})
 
     def device_batch(self, batch: dict) -> dict:
-        """A loader batch on the device, with its hidden states (from the shards, or computed online)."""
+        """A loader batch on the device with its hidden states (shards, or computed online)."""
         return self.inputs.states.fill(move_batch(batch, self.d.device, self.inputs.feat_dtype))
 
     def targets(self, batch: dict):
-        """Verifier targets: at the loss rows (``loss_pos``: ``[M,dV]``, ``[M]``, ``[M]``) when the batch lists
-        them, else at every position (``[B,L,dV]``, ``[B,L]``, ``[B,L]``)."""
+        """Verifier targets at the loss rows (``[M, dV]``, ``[M]``, ``[M]``), else at every position (``[B, L, ...]``)."""
         i = self.inputs
+        head = (i.head_lm, i.d2t, i.t2d)
+        kw = dict(norm_weight=i.head_norm, norm_eps=i.head_eps, chunk=TARGET_CHUNK)
         with torch.no_grad():
             if "loss_pos" in batch:
-                return row_targets(
-                    batch["last"],
-                    batch["loss_pos"],
-                    i.head_lm,
-                    i.d2t,
-                    i.t2d,
-                    norm_weight=i.head_norm,
-                    norm_eps=i.head_eps,
-                    chunk=TARGET_CHUNK,
-                )
-            return compute_targets(
-                batch["last"],
-                i.head_lm,
-                i.d2t,
-                i.t2d,
-                norm_weight=i.head_norm,
-                norm_eps=i.head_eps,
-                chunk=TARGET_CHUNK,
-            )
+                return row_targets(batch["last"], batch["loss_pos"], *head, **kw)
+            return compute_targets(batch["last"], *head, **kw)
 
     def validate(self) -> dict:
-        """Loss and accuracy on the val split: each sample once (rank r takes r, r+W, ...), token-weighted. Ranks
-        may get different numbers of batches: nothing is a collective until the reduce."""
+        """Loss and accuracy on the val split, token-weighted, each sample once (rank r takes r, r+W, ...); nothing is a
+        collective until the reduce.
+        """
         data, s, d, drafter = self.data, self.s, self.d, self.inputs.drafter
         if data.val_ds is None:
             return {}

@@ -1,6 +1,6 @@
-"""What the loop measures and where it goes: the window sums of the per-TTT-step metrics (on the device, read at log
-steps), ``metrics.jsonl`` and TensorBoard rows (rank 0), and the warning lines of a call (``train_report.json``'s
-``warnings``)."""
+"""What the loop measures and where it goes: window sums of the per-TTT-step metrics (on the device, read at log
+steps), ``metrics.jsonl`` and TensorBoard rows (rank 0), and a call's warning lines (``train_report.json``).
+"""
 
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ log = logging.getLogger(__name__)
 
 
 class Metrics:
-    """Rank-0 sinks: ``metrics.jsonl`` (append + flush), TensorBoard."""
+    """Rank 0's sinks ``metrics.jsonl`` and TensorBoard. On opening: a torn last line is cut, rows after ``start_step``
+    (redone now) are dropped, and so is the final validation row when the run had ``finished`` (it is recomputed).
+    """
 
     def __init__(self, train_dir: Path, start_step: int, enabled: bool, finished: bool = False):
-        """Rows of steps after ``start_step`` (written before a kill, redone now) are dropped; so is the
-        final validation row when the run had already ``finished`` (it is recomputed). A torn last line (a kill
-        mid-append) is cut first (:func:`eagle3.io.cut_torn_tail`): the next row would join it, both lost."""
         self.enabled = enabled
         self.path = train_dir / "metrics.jsonl"
         self.tb = None
@@ -75,9 +74,7 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(
-        encoding="utf-8", errors="replace"
-    ).splitlines():  # a torn multi-byte tail too
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -95,8 +92,9 @@ def reduce_totals(totals: dict[str, torch.Tensor], d: Dist) -> dict[str, torch.T
 
 
 class Accum:
-    """Sums a window of micro-batch metrics on the device without host syncs; read at log steps. The sums start at
-    zeros ``[K]`` so that every rank reduces the same keys, even a rank that saw no batch."""
+    """A window's sums of micro-batch metrics on the device (no host sync), from zeros ``[K]`` so every rank reduces the
+    same keys.
+    """
 
     def __init__(self, ttt_length: int):
         self.sums = {
@@ -112,15 +110,14 @@ class Accum:
             self.sums[k] = v.clone() if self.n == 1 else self.sums[k] + v
 
     def totals(self) -> dict[str, torch.Tensor]:
-        """Raw sums (for cross-rank reduction) plus ``n`` (micro-batches)."""
+        """The sums plus ``n`` (micro-batches)."""
         return dict(self.sums, n=torch.tensor(float(self.n)))
 
     @staticmethod
     def summarize(sums: dict[str, torch.Tensor], step_weight: float) -> dict[str, float]:
-        """Host-side floats from (possibly rank-summed) :meth:`totals`, token-weighted like the training loss:
-        ``step_loss_{i}`` = sum of CE / counted positions of TTT step ``i``, ``loss`` = ``sum_i step_weight**i *
-        step_loss_{i}`` (for one optimizer step: the loss it minimised), ``acc_{i}`` = sum(correct) / sum(count),
-        ``loss_tokens`` = counted positions of step 0."""
+        """Host floats from (rank-summed) :meth:`totals`, token-weighted: ``step_loss_{i}`` = CE sum / count of step ``i``,
+        ``loss`` = ``sum_i step_weight**i * step_loss_{i}``, ``acc_{i}``, ``loss_tokens`` (step 0's count); {} when empty.
+        """
         if not sums or float(sums["n"]) == 0:
             return {}
         count = sums["count"].clamp(min=1)  # [K]
@@ -135,7 +132,7 @@ class Accum:
 
 
 class _WarningLines(logging.Handler):
-    """A logging handler that lists the messages of WARNING records and above, each text once (in ``lines``)."""
+    """A handler listing the messages of WARNING records and above, each text once."""
 
     def __init__(self, lines: list[str]):
         super().__init__(level=logging.WARNING)
@@ -143,8 +140,7 @@ class _WarningLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            # formatted now: a logged dict changed later keeps the text that was shown
-            msg = record.getMessage()
+            msg = record.getMessage()  # formatted now, as shown
         except Exception:  # noqa: BLE001 - a bad log call must not stop training
             return
         if msg not in self.lines:
@@ -153,13 +149,8 @@ class _WarningLines(logging.Handler):
 
 @contextlib.contextmanager
 def collect_warnings(enabled: bool):
-    """Within the block, every warning logged by an ``eagle3`` logger (the trainer's, the checkpoint loader's, the
-    schedule's on a resume, ...) is appended to the yielded list, once per text: ``train_report.json``'s
-    ``warnings``. Before, only the few a call site also appended there were listed, so a resume's warnings (an unusable
-    newest checkpoint skipped, the lr schedule re-stretched, RNG states reseeded) were in the log only.
-
-    Args:
-        enabled: collect (rank 0, which writes the report); else the list stays empty.
+    """Within the block, every warning of an ``eagle3`` logger is appended once to the yielded list (``train_report.json``'s
+    ``warnings``); ``enabled``: rank 0, else the list stays empty.
     """
     lines: list[str] = []
     handler = _WarningLines(lines) if enabled else None

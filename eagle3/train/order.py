@@ -1,9 +1,7 @@
-"""Data order: which micro-batches a rank trains in which optimizer step, fixed by ``train.seed``, the batching and
-the data position, whatever the number of processes (a resumed epoch's rest is dealt out to the current ranks, each
-sample at most once per epoch).
-
-A position in the data is ``(epoch, step_in_epoch)`` (optimizer steps done in that epoch); a checkpoint stores it as
-``epoch``, ``steps_in_epoch`` and ``samples_in_epoch`` (global samples: the position whatever the process count).
+"""Data order: which micro-batches a rank trains in which optimizer step, fixed by ``train.seed``, the batching and the
+data position ``(epoch, step_in_epoch)``, whatever the process count (a resumed epoch's rest is dealt to the current
+ranks, each sample at most once per epoch). A checkpoint stores the position as ``epoch``, ``steps_in_epoch`` and
+``samples_in_epoch`` (global samples).
 """
 
 from __future__ import annotations
@@ -27,17 +25,13 @@ log = logging.getLogger(__name__)
 
 
 def loader_kwargs(num_workers: Optional[int], device: torch.device, world: int) -> dict:
-    """DataLoader settings: worker processes (``train.num_workers``; auto = up to 8 per rank on GPU by CPU
-    count, 0 on CPU), pinned host memory and 4 batches of read-ahead per worker on GPU. Workers are
-    started per epoch (not persistent) and stopped when the loop drops its iterator, so none outlive
-    the run."""
+    """DataLoader settings: ``train.num_workers`` (auto: up to 8 per rank on GPU, 0 on CPU), pinned memory and 4 batches
+    of read-ahead per worker on GPU; workers live per epoch (stopped when the loop drops its iterator).
+    """
     workers = num_workers
     if workers is None:
-        workers = (
-            min(8, max(1, (os.cpu_count() or 2) // max(1, world) - 1))
-            if device.type == "cuda"
-            else 0
-        )
+        cpus = (os.cpu_count() or 2) // max(1, world)
+        workers = min(8, max(1, cpus - 1)) if device.type == "cuda" else 0
     kw = {"num_workers": workers, "pin_memory": device.type == "cuda", "collate_fn": collate}
     if workers > 0:
         kw.update(prefetch_factor=4)
@@ -45,11 +39,12 @@ def loader_kwargs(num_workers: Optional[int], device: torch.device, world: int) 
 
 
 class TrainData:
-    """The training data order of one rank: fixed-size batches (``ResumableSampler``) or token-budget
-    batches (:class:`eagle3.data.batching.TokenBudgetBatchSampler`), behind one interface.
+    """One rank's training order: fixed-size batches (:class:`eagle3.data.dataset.ResumableSampler`) or token-budget
+    batches (:class:`eagle3.data.batching.TokenBudgetBatchSampler`) behind one interface. Arguments: the ``train.*``
+    values of the same names; ``shards_dir`` (sample lengths), ``split_file`` (named in the refusal).
 
-    A position in the data is ``(epoch, step_in_epoch)`` (optimizer steps done in that epoch); the
-    checkpoint stores it as ``epoch``, ``steps_in_epoch`` and ``samples_in_epoch`` (global samples).
+    Raises:
+        UserError: fewer training samples than one optimizer step needs.
     """
 
     def __init__(
@@ -66,26 +61,14 @@ class TrainData:
         shards_dir: Path,
         split_file: Path,
     ):
-        """Args: the ``train.*`` values of the same names; ``shards_dir`` (sample lengths of token-budget batches),
-        ``split_file`` (named in the refusal).
-
-        Raises:
-            UserError: fewer training samples than one optimizer step needs.
-        """
         self.world, self.accum = d.world, grad_accum
         self.is_main = d.is_main  # says the resume once
         kw = loader_kwargs(num_workers, d.device, d.world)
         self.token_budget = batch_tokens is not None
         if self.token_budget:
             lengths = batching.sample_lengths(shards_dir, train_ds, train_ds.max_length)
-            self.sampler = batching.TokenBudgetBatchSampler(
-                lengths,
-                batch_tokens,
-                d.world,
-                d.rank,
-                grad_accum,
-                seed,
-                window=batching.DEFAULT_WINDOW,
+            self.sampler = batching.TokenBudgetBatchSampler(  # the window read now: tests lower it
+                lengths, batch_tokens, d.world, d.rank, grad_accum, seed, batching.DEFAULT_WINDOW
             )
             self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
             self.total_steps = self.sampler.total_steps(epochs)
@@ -107,16 +90,15 @@ class TrainData:
                 )
             self.total_steps = math.ceil(epochs * self._steps)
 
-    # A resumed epoch may have been started on another number of processes: it is then described by
-    # its origin (epoch, steps done, global units consumed: samples, or batches of the token-budget
-    # plan), and the rest of its data is dealt out to the current ranks (each sample at most once per epoch).
+    # a resumed epoch: (epoch, steps done, global units used: samples or plan batches); its rest is dealt
+    # to the current ranks
     _origin: Optional[tuple[int, int, int]] = None
 
     def _units_per_step(self) -> int:
         return self.world * self.accum if self.token_budget else self.samples_per_step
 
     def _units_before(self, epoch: int, step_in_epoch: int) -> int:
-        """Global samples (fixed batches) or plan batches (token budget) consumed by ``step_in_epoch`` steps."""
+        """Global samples (fixed batches) or plan batches (token budget) used by ``step_in_epoch`` steps."""
         if self._origin is not None and self._origin[0] == epoch:
             _, k0, g0 = self._origin
             return g0 + (step_in_epoch - k0) * self._units_per_step()
@@ -133,16 +115,16 @@ class TrainData:
         return self.sampler.steps_in_epoch(epoch) if self.token_budget else self._steps
 
     def samples_before(self, epoch: int, step_in_epoch: int) -> int:
-        """Global samples consumed by the first ``step_in_epoch`` optimizer steps of ``epoch`` (checkpoint key
-        ``samples_in_epoch``: the data position, whatever number of processes took those steps)."""
+        """Global samples used by the first ``step_in_epoch`` steps of ``epoch`` (``samples_in_epoch``)."""
         g = self._units_before(epoch, step_in_epoch)
         if not self.token_budget:
             return g
         return sum(len(b) for b in self.sampler.epoch_plan(epoch)[:g])
 
     def step_from_checkpoint(self, state: dict) -> int:
-        """``steps_in_epoch`` of a checkpoint (derived from ``samples_in_epoch`` for checkpoints that predate it);
-        its ``samples_in_epoch`` fixes where the epoch's data resumes, on any number of processes."""
+        """A checkpoint's ``steps_in_epoch`` (derived from ``samples_in_epoch`` when absent); fixes where the epoch's data
+        resumes, on any process count. UserError when a token-budget run meets a checkpoint without it.
+        """
         if "steps_in_epoch" in state:
             k = int(state["steps_in_epoch"])
         elif self.token_budget:
@@ -173,10 +155,9 @@ class TrainData:
         return k
 
     def resumed_total_steps(self, epochs: float, step: int) -> int:
-        """Optimizer steps of ``epochs`` epochs for a run resumed (:meth:`step_from_checkpoint`) at global
-        optimizer step ``step``: the steps taken before the resumed epoch, that epoch's steps on this
-        process count from its recorded data position, then whole epochs (a fractional last epoch
-        rounded up, counted in samples/batches as the uninterrupted run counts it)."""
+        """Optimizer steps of ``epochs`` for a run resumed at ``step``: the steps before the resumed epoch, its rest on this
+        process count, then whole epochs (a fractional last one rounded up as the uninterrupted run counts it).
+        """
         e0, k0, g0 = self._origin
         full, frac = int(math.floor(epochs)), epochs - math.floor(epochs)
         total = step - k0
@@ -192,12 +173,9 @@ class TrainData:
         return max(total, step)
 
     def left_out_note(self, n_samples: int) -> Optional[str]:
-        """The log line naming the training samples an epoch leaves out (None when every sample is trained).
-
-        Fixed batches: each epoch trains ``steps x batch_size x grad_accum x processes`` samples of its
-        permutation (reshuffled per epoch), so the same count, but other samples, are left out every epoch.
-        Token budget: every sample is in a batch, but the batch count is cut to a multiple of ``processes x
-        grad_accum``; the samples of the cut batches differ per epoch, counted here for the first epoch."""
+        """The log line naming the training samples an epoch leaves out (fixed batches: the permutation's tail; token
+        budget: the cut batches, counted for epoch 0), or None.
+        """
         if self.token_budget:
             kept = sum(len(b) for b in self.sampler.epoch_batches(0))
             left = n_samples - kept
@@ -226,9 +204,7 @@ class TrainData:
 
 
 def data_order(seed: int, batch_tokens: Optional[int], batch_size: int, grad_accum: int) -> dict:
-    """The settings that fix the batch order and the optimizer-step count of an epoch (checkpoint key
-    ``data_order``; :func:`eagle3.train.resume_checks.data_order_problem`). ``batch_size`` is recorded as None when
-    ``batch_tokens`` is set (it is ignored then)."""
+    """The settings that fix the batch order (checkpoint key ``data_order``); ``batch_size`` None under ``batch_tokens``."""
     return {
         "train.seed": seed,
         "train.batch_tokens": batch_tokens,
@@ -238,10 +214,9 @@ def data_order(seed: int, batch_tokens: Optional[int], batch_size: int, grad_acc
 
 
 def data_inputs(split: dict, vocab: dict, data_config: dict) -> dict:
-    """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
-    :func:`eagle3.train.resume_checks.data_inputs_problem`): the content sha256 of 03's ``split`` and ``vocab`` map, and
-    the aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
-    ``data_config``."""
+    """Checkpoint key ``data_inputs``: the sha256 of 03's split and vocab map, the shards' aux layers and verifier
+    weights fingerprint (compared on ``--resume``).
+    """
     return {
         resume_checks.SPLIT_FILE: resume_checks.split_sha256(split),
         resume_checks.VOCAB_FILE: resume_checks.vocab_sha256(vocab),

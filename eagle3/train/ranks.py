@@ -1,6 +1,6 @@
-"""Training under torchrun: this rank's :class:`eagle3.process_group.Dist` (:func:`init_distributed`), the few CPU
-collectives of training (on the gloo control group, never a GPU sync), the rank-agreement refusals (config, data,
-checkpoint), and the stop flag of SIGTERM/SIGINT."""
+"""Training under torchrun: this rank's :class:`eagle3.process_group.Dist`, the CPU collectives of training (gloo
+control group, never a GPU sync), the rank-agreement refusals (config, data, checkpoint), the SIGTERM/SIGINT flag.
+"""
 
 from __future__ import annotations
 
@@ -18,14 +18,8 @@ from eagle3.train import checkpoint as ckpt
 
 
 def init_distributed(device: Optional[str] = None) -> Dist:
-    """This rank's :class:`Dist` from the torchrun env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-    ``MASTER_PORT``): NCCL on ``cuda:{LOCAL_RANK}`` when CUDA is available, else gloo; a world of 1 without torchrun.
-
-    Args:
-        device: ``"cpu"`` forces CPU (and gloo); None = ``cuda:{LOCAL_RANK}`` if available else CPU.
-
-    Raises:
-        UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
+    """This rank's :class:`Dist` from the torchrun env: NCCL on ``cuda:{LOCAL_RANK}`` when CUDA is available and
+    ``device`` is not ``"cpu"``, else gloo; a world of 1 without torchrun. UserError: non-integer env values.
     """
     _, _, local_rank = torchrun_env()
     use_cuda = torch.cuda.is_available() and device != "cpu"
@@ -46,17 +40,8 @@ def dotted(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def ranks_agree(d: Dist, mine: dict) -> None:
-    """Every torchrun rank must train under rank 0's config and command line (``mine``: the dotted config keys and
-    the stage's flags, :func:`dotted`). Each rank reads them itself; one with another ``train.lr`` stepped its DDP
-    replica with its own lr, one with another ``train.batch_size`` aborted rank 0 with no message.
-
-    Raises:
-        UserError: on every rank, naming the first rank that differs from rank 0 and the differing keys.
-    """
-    if not d.distributed:
-        return
-    everyone = d.all_gather(mine)
+def _first_difference(everyone: list[dict]) -> Optional[tuple[int, list, dict]]:
+    """The first rank whose dict differs from rank 0's and the differing keys (sorted), or None."""
     first = everyone[0]
     for r, theirs in enumerate(everyone):
         keys = sorted(
@@ -65,47 +50,48 @@ def ranks_agree(d: Dist, mine: dict) -> None:
             if theirs.get(k, "<absent>") != first.get(k, "<absent>")
         )
         if keys:
-            shown = ", ".join(
-                f"{k}: {first.get(k, '<absent>')!r} on rank 0, {theirs.get(k, '<absent>')!r} on rank {r}"
-                for k in keys[:4]
-            ) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
-            raise UserError(
-                f"torchrun rank {r} runs 04 with another config or command line than rank 0 ({shown}); "
-                f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"
-            )
+            return r, keys, theirs
+    return None
 
 
-def same_data(d: Dist, inputs: dict, data_dir: Path) -> None:
-    """Every torchrun rank must train on rank 0's data (``inputs``: :func:`eagle3.train.order.data_inputs`: 03's
-    split and vocab map by content sha256, the shards' aux layers and verifier weights). Each rank reads them itself;
-    a rank on a node with another copy of the data folder trained other samples (or targets) without a word.
-
-    Raises:
-        UserError: on every rank, naming the first rank whose data differs from rank 0's and the differing inputs.
+def ranks_agree(d: Dist, mine: dict) -> None:
+    """UserError on every rank when some rank's ``mine`` (dotted config keys and flags, :func:`dotted`) differs from rank
+    0's, naming the first such rank and the keys.
     """
     if not d.distributed:
         return
-    everyone = d.all_gather(inputs)
-    for r, theirs in enumerate(everyone):
-        keys = sorted(
-            k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k)
+    everyone = d.all_gather(mine)
+    first, diff = everyone[0], _first_difference(everyone)
+    if diff:
+        r, keys, theirs = diff
+        shown = ", ".join(
+            f"{k}: {first.get(k, '<absent>')!r} on rank 0, {theirs.get(k, '<absent>')!r} on rank {r}"
+            for k in keys[:4]
+        ) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
+        raise UserError(
+            f"torchrun rank {r} runs 04 with another config or command line than rank 0 ({shown}); "
+            f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"
         )
-        if keys:
-            raise UserError(
-                f"{data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
-                f"{', '.join(keys)}); every rank must read the same data folder and shards (a node with "
-                f"another copy?)"
-            )
+
+
+def same_data(d: Dist, inputs: dict, data_dir: Path) -> None:
+    """UserError on every rank when some rank read other data than rank 0 (``inputs``:
+    :func:`eagle3.train.order.data_inputs`), naming the first such rank and the inputs.
+    """
+    if not d.distributed:
+        return
+    diff = _first_difference(d.all_gather(inputs))
+    if diff:
+        r, keys, _ = diff
+        raise UserError(
+            f"{data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
+            f"{', '.join(keys)}); every rank must read the same data folder and shards (a node with "
+            f"another copy?)"
+        )
 
 
 def same_checkpoint(train_dir: Path, found: Optional[tuple], d: Dist) -> None:
-    """Every torchrun rank must resume from rank 0's checkpoint. Each rank looks for it itself; a rank that saw no
-    checkpoint (a node-local ``train.output_dir``) or another newest one started from another step than rank 0, and
-    the DDP replicas trained on from different weights and data positions.
-
-    Raises:
-        UserError: on every rank, naming the first rank whose checkpoint differs from rank 0's.
-    """
+    """UserError on every rank when some rank found another newest checkpoint (or none) than rank 0 on ``--resume``."""
     if not d.distributed:
         return
     mine = None if found is None else (found[0].name, int(found[1]["step"]))
@@ -120,7 +106,7 @@ def same_checkpoint(train_dir: Path, found: Optional[tuple], d: Dist) -> None:
 
 
 def any_rank(flag: bool, d: Dist) -> bool:
-    """True if ``flag`` is True on any rank (one CPU all-reduce on the gloo control group)."""
+    """True if ``flag`` is True on any rank (one CPU all-reduce on the control group)."""
     if not d.distributed:
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
@@ -129,6 +115,7 @@ def any_rank(flag: bool, d: Dist) -> bool:
 
 
 def sum_ranks(values: list[float], d: Dist) -> list[float]:
+    """``values`` summed over ranks (one CPU all-reduce on the control group)."""
     if not d.distributed:
         return values
     t = torch.tensor(values, dtype=torch.float64)
@@ -137,10 +124,8 @@ def sum_ranks(values: list[float], d: Dist) -> list[float]:
 
 
 class StopFlag:
-    """SIGTERM/SIGINT set a flag; the loop finishes the current optimizer step, checkpoints and returns.
-
-    A second SIGINT falls through to the previous handler (so Ctrl-C twice still aborts).
-    Handlers are installed only in the main thread and restored by :meth:`restore`.
+    """SIGTERM/SIGINT set a flag (the loop finishes the step, checkpoints, returns); a second SIGINT reaches the previous
+    handler. Installed in the main thread only; :meth:`restore` puts the old handlers back.
     """
 
     def __init__(self):

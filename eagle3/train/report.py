@@ -1,6 +1,6 @@
 """What a training run reports: its parts (``segments``), ``train_report.{json,md}`` + ``loss.png``, 04's closing
-lines, and the record an export keeps of where its weights come from (the rows behind them:
-:mod:`eagle3.train.metrics`)."""
+lines, and an export's record of where its weights come from.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import EXPORT_META_FILE
-from eagle3.drafter.model import DrafterArgs
 from eagle3.errors import UserError
-from eagle3.io import (
-    atomic_write_files,
-    probe_dirs,
-    read_json,
-)
+from eagle3.io import atomic_write_files, probe_dirs, read_json
 from eagle3.train.metrics import read_metrics
 from eagle3.train.sim_accept import BEST_FILE, markdown_lines
 
@@ -36,10 +32,9 @@ def segment_record(
     peak_gpu_mem_gib: Optional[float] = None,
     warnings: Sequence[str] = (),
 ) -> dict:
-    """One part of a run (the optimizer steps one 04 call trained): ``{start_step, end_step, hidden_states,
-    extract_backend (online: where the states came from, hf or sglang; offline: None), world_size, tokens_per_s,
-    peak_gpu_mem_gib, warnings (the call's warning lines)}``. A resumed run used to report only its last call's
-    ``hidden_states``, throughput and warnings."""
+    """One part of a run (the steps one 04 call trained): ``{start_step, end_step, hidden_states, extract_backend (online
+    only), world_size, tokens_per_s, peak_gpu_mem_gib, warnings}``.
+    """
     return {
         "start_step": int(start),
         "end_step": int(end),
@@ -53,9 +48,7 @@ def segment_record(
 
 
 def earlier_segments(state: dict) -> list[dict]:
-    """The ``segments`` a checkpoint records (:func:`segment_record`), each ending at the checkpoint's step at the
-    latest; a checkpoint from before the key gives one part, steps 0 to its step, whose ``hidden_states`` is None
-    (not recorded)."""
+    """A checkpoint's ``segments``, each cut at its step; without the key, one part 0..step with ``hidden_states`` None."""
     step = int(state["step"])
     segs = state.get("segments")
     if not isinstance(segs, list):
@@ -72,10 +65,9 @@ def earlier_segments(state: dict) -> list[dict]:
 
 
 def state_source_switch(path: Path, earlier: list[dict], now: dict) -> Optional[str]:
-    """The warning of a resume that takes its hidden states from another source than the checkpoint's last part
-    (``train.hidden_states`` offline <-> online, or online's ``extract.backend``), None when it is the same or
-    unrecorded. Both sources give the verifier's states, the same up to the shards' storage rounding (bf16 / fp8) and
-    the capture's dtype, so the resume is allowed; the report lists each part (``segments``)."""
+    """The warning of a resume taking its states from another source than the checkpoint's last part (allowed: the same
+    verifier's states up to storage rounding), else None.
+    """
     if not earlier or earlier[-1].get("hidden_states") is None:
         return None
     last = earlier[-1]
@@ -98,18 +90,8 @@ def state_source_switch(path: Path, earlier: list[dict], now: dict) -> Optional[
 def export_provenance(
     train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int
 ) -> dict:
-    """Where an export's weights come from, recorded as ``trained_from`` in its ``eagle3_train.json`` (04 at the
-    end of training and ``--export-only``).
-
-    Args:
-        train_dir: the run's ``train.output_dir`` (recorded absolute).
-        checkpoint: the checkpoint file of the run's ``step`` (absolute; None when there is none).
-        step: the optimizer step the run (or the checkpoint) is at.
-        select_best: ``train.select_best``.
-        selected_step: the step whose weights are exported (the best validation's under ``sim_accept``, else ``step``).
-
-    Returns:
-        ``{train_dir, checkpoint, step, select_best, selected_step}``.
+    """An export's ``trained_from`` (in ``eagle3_train.json``): ``{train_dir, checkpoint}`` (absolute; checkpoint None when
+    absent), ``step`` (the run's), ``select_best``, ``selected_step`` (the step whose weights are exported).
     """
     return {
         "train_dir": str(Path(train_dir).resolve()),
@@ -121,19 +103,14 @@ def export_provenance(
 
 
 def peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
-    """Peak memory this process allocated on ``device`` through PyTorch's caching allocator (GiB), None off CUDA.
-
-    Counts tensors only (``torch.cuda.max_memory_allocated``), not the allocator's reserve or the CUDA context;
-    it is what decides how many trainings share one GPU (bench/gpu_session.sh SLOTS)."""
+    """Peak tensor memory this process allocated on ``device`` (GiB, ``max_memory_allocated``), None off CUDA."""
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
 def no_validation_note(step: int, stopped: bool = False) -> str:
-    """What a run without a validation split (``data.val_fraction: 0`` at stage 03) measures and exports: the
-    sentence of ``train_report.json``'s ``no_validation``, ``train_report.md`` and 04's closing lines (``stopped``:
-    a run stopped by a signal, exported later: by ``--resume`` at its end or by ``--export-only``)."""
+    """The sentence of a run without a validation split (report, closing lines); ``stopped``: exported later."""
     what = (
         "an export (at the end of `--resume`, or `--export-only`) holds the last step's weights"
         if stopped
@@ -147,16 +124,11 @@ def no_validation_note(step: int, stopped: bool = False) -> str:
 
 
 def headline(result: dict, train_dir: Path, args=None) -> str:
-    """The lines stage 04 prints at its end: optimizer steps, final validation loss and top-1 accuracy per
-    TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the drafter's shape (``args``:
-    :class:`eagle3.drafter.model.DrafterArgs`, when given), the report and the export."""
+    """04's closing lines: steps, final validation loss and top-1 per TTT step, the drafter's shape (``args``), the report
+    and the export.
+    """
     val = result.get("final_val") or {}
-    acc = [
-        val[k]
-        for k in sorted(
-            (k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1])
-        )
-    ]
+    acc = [val[k] for k in _acc_keys(val)]
     text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
     if result.get("stop_at") and not result.get("stopped"):
         text += f" (--stop-at {result['stop_at']}: the lr followed the {result['total_steps']}-step schedule)"
@@ -180,9 +152,9 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
 
 
 def selected_weights_line(result: dict) -> Optional[str]:
-    """``exported: the weights of step 5, ...`` when ``train.select_best: sim_accept`` exported another step's weights
-    than the last one, whose figures the ``final validation`` line gives (04's closing lines, ``train_report.md``);
-    None otherwise."""
+    """``exported: the weights of step N, ...`` when ``train.select_best: sim_accept`` exported another step than the
+    last, else None.
+    """
     sa = result.get("sim_accept") or {}
     step, best = sa.get("exported_step"), sa.get("best") or {}
     if step is None or int(step) == int(result["step"]):
@@ -202,8 +174,7 @@ def selected_weights_line(result: dict) -> Optional[str]:
 
 
 def drafter_shape(args, hidden: bool = False) -> str:
-    """``eagle3.1, 2 decoder layers, [MLA attention, ][hidden 576, ]MLP 6144, draft vocab 32000`` of a
-    :class:`eagle3.drafter.model.DrafterArgs` (04's closing lines and ``train_report.md``)."""
+    """``eagle3.1, 2 decoder layers, [MLA attention, ][hidden 576, ]MLP 6144, draft vocab 32000`` of a ``DrafterArgs``."""
     return (
         f"{args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, "
         + ("MLA attention, " if getattr(args, "is_mla", False) else "")
@@ -213,7 +184,7 @@ def drafter_shape(args, hidden: bool = False) -> str:
 
 
 def _export_line(result: dict) -> str:
-    """The ``- export:`` value of ``train_report.md``: the export folder, or a sentence why there is none."""
+    """The ``- export:`` value of ``train_report.md``: the folder, or why there is none."""
     if result.get("export_dir"):
         return f"`{result['export_dir']}`"
     if result.get("export_error"):
@@ -228,8 +199,7 @@ def _export_line(result: dict) -> str:
 
 
 def _export_only_what(result: dict, checkpoint: str) -> str:
-    """What ``04 --export-only`` exports of a stopped run: with ``train.select_best: sim_accept`` and a best validation,
-    its weights (``best_drafter.pt``), as the tau_sim table's heading says; else ``checkpoint`` (its wording)."""
+    """What ``--export-only`` exports of a stopped run: the best validation's weights, or ``checkpoint``."""
     sim = result.get("sim_accept") or {}
     best = sim.get("best") or {}
     if sim.get("select_best") == "sim_accept" and best.get("step") is not None:
@@ -246,15 +216,9 @@ def record_export_only(
     engine: str,
     select_best: Optional[str] = None,
 ) -> bool:
-    """After ``04 --export-only``: ``train_report.{json,md}`` say what was exported (``export_dir``; ``export_only``:
-    the checkpoint, the step whose weights it holds (``ckpt_step``, or the best validation's under
-    ``train.select_best: sim_accept``), the engine; ``sim_accept.exported_step`` and, when given, ``select_best``).
-    Nothing happens without a ``train_report.json`` written at ``ckpt_step`` (older, unreadable, or a read-only
-    train folder: a warning, the export stands). Earlier exports of this train folder still in their folders stay
-    listed in ``other_exports``.
-
-    Returns:
-        Whether the report was rewritten.
+    """After ``--export-only``: rewrite ``train_report.{json,md}`` (``export_dir``, ``export_only``, ``other_exports``,
+    ``sim_accept.exported_step``/``select_best``) when a report written at ``ckpt_step`` exists and the folder is
+    writable (else a warning; the export stands). Returns whether it was rewritten.
     """
     path = train_dir / "train_report.json"
     if not path.is_file():
@@ -282,7 +246,7 @@ def record_export_only(
         "weights_step": int(weights_step),
         "engine": engine,
     }
-    try:  # a train folder on read-only storage (a colleague's checkpoints): the export stands, as for an old report
+    try:  # a read-only train folder: the export stands
         probe_dirs(train_dir)
     except UserError as e:
         log.warning(
@@ -298,8 +262,7 @@ def record_export_only(
 
 
 def _other_exports(report: dict, train_dir: Path, export_dir: Path) -> list[dict]:
-    """The exports of ``train_dir`` a report already recorded (``other_exports`` and ``export_dir``) that are still
-    in their folders, other than ``export_dir`` (:func:`_export_record`)."""
+    """The earlier exports of ``train_dir`` a report recorded that still exist, other than ``export_dir``."""
     earlier = [
         o.get("export_dir") for o in report.get("other_exports") or [] if isinstance(o, dict)
     ]
@@ -312,8 +275,7 @@ def _other_exports(report: dict, train_dir: Path, export_dir: Path) -> list[dict
 
 
 def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
-    """``{export_dir, engine, weights_step, select_best}`` of an export of ``train_dir`` still in ``folder`` (from its
-    ``eagle3_train.json``), or None: no such folder, an unreadable record, or an export of another train folder."""
+    """``{export_dir, engine, weights_step, select_best}`` of an export of ``train_dir`` in ``folder``, or None."""
     try:
         info = read_json(folder / EXPORT_META_FILE)
         src = info.get("trained_from") or {}
@@ -332,10 +294,10 @@ def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
 def export_failed(
     train_dir: Path, result: dict, args, sim_accept: dict, checkpoint, e: Exception
 ) -> Exception:
-    """After a finished training whose selection or export failed: ``train_report.{json,md}`` written anyway
-    (``export_error``: the reason and the fix; ``sim_accept`` unless the selection set it), and the error to raise:
-    a :class:`UserError` says in its one line that the checkpoint and the report are kept and how to export
-    (``--export-only``); another error is returned as it is (a bug keeps its traceback)."""
+    """After a finished training whose selection or export failed: write the report anyway (``export_error``) and return
+    the error to raise (a UserError says the checkpoint and report are kept and how to ``--export-only``; another
+    error as it is).
+    """
     why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
     result["export_error"] = why
     result.setdefault("sim_accept", sim_accept)
@@ -356,10 +318,7 @@ def export_failed(
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:
-    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss),
-    as one set (:func:`eagle3.io.atomic_write_files`: a full disk replaces none of them; written one by one, it left
-    the new JSON beside the earlier Markdown). A run stopped by a signal gets one too (``stopped``, ``signal``, its
-    step, no ``final_val``); the run that resumes it rewrites it."""
+    """``train_report.json``, ``train_report.md`` and ``loss.png`` written as one set (:func:`eagle3.io.atomic_write_files`)."""
     report = dict(result, drafter_args=args.to_json())
     files = [
         (
@@ -374,10 +333,14 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     atomic_write_files(files)
 
 
+def _acc_keys(val: dict) -> list[str]:
+    return sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
+
+
 def _report_markdown(result: dict, args) -> str:
     """``train_report.md`` of :func:`write_report`."""
     val = result.get("final_val") or {}
-    acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
+    acc_keys = _acc_keys(val)
     lines = [
         "# Training report",
         "",
@@ -429,7 +392,7 @@ def _report_markdown(result: dict, args) -> str:
 
 
 def _export_notes(result: dict) -> list[str]:
-    """``train_report.md``'s lines on a stop by a signal and on later exports (``--export-only``, other folders)."""
+    """``train_report.md``'s lines on a stop by a signal and on later exports."""
     lines: list[str] = []
     if result.get("stopped"):
         lines.append(
@@ -456,7 +419,7 @@ def _export_notes(result: dict) -> list[str]:
 
 
 def _segment_text(g: dict) -> str:
-    """One part of ``segments`` for ``train_report.md``: ``steps 0-40 offline, 1 process, 1234 tokens/s``."""
+    """One part for ``train_report.md``: ``steps 0-40 offline, 1 process, 1234 tokens/s``."""
     how = g.get("hidden_states") or "hidden states not recorded"
     if g.get("extract_backend"):
         how += f" ({g['extract_backend']})"
@@ -468,8 +431,7 @@ def _segment_text(g: dict) -> str:
 
 
 def _loss_png(rows: list[dict]) -> Optional[bytes]:
-    """``loss.png`` of :func:`write_report`: train and val loss per optimizer step from ``metrics.jsonl``'s ``rows``
-    (None without a train loss)."""
+    """``loss.png``: train and val loss per step from ``metrics.jsonl`` rows (None without a train loss)."""
     tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and "loss" in r]
     va = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "val" and "loss" in r]
     if not tr:
@@ -480,9 +442,7 @@ def _loss_png(rows: list[dict]) -> Optional[bytes]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(
-        *zip(*tr), "-" if len(tr) > 1 else "o", label="train"
-    )  # one row (a run shorter than log_every): a dot
+    ax.plot(*zip(*tr), "-" if len(tr) > 1 else "o", label="train")  # one row: a dot
     if va:
         ax.plot(*zip(*va), "o-", label="val")
     ax.set_xlabel("optimizer step")

@@ -1,6 +1,7 @@
 """Resume: a run's position (:class:`Progress`), the checkpoint it writes, and the continuation from its newest
-checkpoint, bit-identical on CPU (weights, optimizer, schedule, data position, RNG), also on another number of
-processes (the rest of the resumed epoch is dealt out to the new ranks, and the lr schedule's horizon follows)."""
+checkpoint, bit-identical on CPU (weights, optimizer, schedule, data position, RNG), also on another process count
+(the rest of the epoch is dealt to the new ranks and the LR horizon follows).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters that training changes (``requires_grad``), detached on CPU, by name."""
+    """The ``requires_grad`` parameters, detached on CPU, by name."""
     return {
         n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad
     }
@@ -38,10 +39,9 @@ def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
 
 @dataclass
 class Progress:
-    """Where one rank's run stands: the optimizer ``step``, the data position (``epoch``, ``step_in_epoch``), the
-    schedule's ``total_steps``, ``stop_at`` (--stop-at; None: the schedule's end), the newest checkpoint, this
-    call's counts (steps, real tokens and seconds of the timed windows) and the run's earlier parts (a resumed
-    checkpoint's ``segments``) with the step this call started at."""
+    """One rank's position: optimizer ``step``, data position (``epoch``, ``step_in_epoch``), the schedule's
+    ``total_steps``, ``stop_at`` (--stop-at), the newest checkpoint, this call's counts and the run's earlier segments.
+    """
 
     total_steps: int
     step: int = 0
@@ -58,18 +58,16 @@ class Progress:
 
     @property
     def end_step(self) -> int:
-        """The step this run ends at: ``stop_at`` when set (before the schedule's end), else ``total_steps``."""
+        """``stop_at`` when set, else ``total_steps``."""
         return self.total_steps if self.stop_at is None else self.stop_at
 
 
 @dataclass
 class RunRecord:
-    """What a checkpoint records of the run besides its position and tensors, and what a resume compares.
-
-    ``current``: the run now as :func:`eagle3.train.resume_checks.check_resume` compares it (``drafter_args``,
-    ``data_order``, ``recipe`` (dotted ``train.*`` keys), ``data_inputs``, ``world_size``); ``fingerprint``:
-    :func:`eagle3.train.checkpoint.config_fingerprint` of the settings; the rest are ``train.*`` values of the same
-    names, ``extract_backend`` (online's state source) and this call's warning lines (filled while it runs)."""
+    """What a checkpoint records besides position and tensors: ``current`` (compared by
+    :func:`eagle3.train.resume_checks.check_resume`), ``fingerprint``, ``train.*`` values of the same names,
+    ``extract_backend`` and this call's warnings.
+    """
 
     train_dir: Path
     data_dir: Path
@@ -93,10 +91,9 @@ def horizon_after_resume(
     horizon: Optional[int],
     scheduler,
 ) -> int:
-    """The step horizon of a run resumed on another number of processes than the checkpoint's: the rest of the
-    resumed epoch is dealt out to the new ranks (:class:`TrainData`), so ``train.epochs`` ends after a different
-    step count than either process count alone gives; the LR schedule's horizon follows. Unchanged process count:
-    ``total_steps`` as computed."""
+    """The step horizon after a resume on another process count (the epoch's rest dealt to the new ranks; the LR
+    schedule re-stretched on every rank); the same process count: ``total_steps``.
+    """
     if int(state.get("world_size", d.world)) == d.world:
         return total_steps
     new = order.resumed_total_steps(rec.epochs, int(state["step"]))
@@ -118,13 +115,8 @@ def horizon_after_resume(
 
 
 def set_stop_at(pos: Any, stop_at: Optional[int], data: Any, epochs: float) -> None:
-    """Check and set ``--stop-at`` on ``pos`` (:class:`Progress`), once ``total_steps`` is known
-    and before anything is loaded or logged about the schedule.
-
-    Raises:
-        UserError: ``stop_at`` not before the schedule's last step, or before the resumed checkpoint's step (at it:
-            a run stopped by a signal on its stop step, resumed with the same command, trains nothing and ends
-            there: final validation, export, report).
+    """Check and set ``--stop-at`` on ``pos`` once ``total_steps`` is known. UserError: not before the schedule's end, or
+    before the resumed step.
     """
     if stop_at is None:
         return
@@ -142,8 +134,7 @@ def set_stop_at(pos: Any, stop_at: Optional[int], data: Any, epochs: float) -> N
 
 
 def _longer_schedule(data: Any, epochs: float) -> str:
-    """How to get a longer lr schedule, for the --stop-at refusal: raise what sets its end (``train.epochs``, or a
-    ``--max-steps`` / ``train.max_steps`` cap below the epochs' steps; ``train.max_steps`` cannot go past them)."""
+    """How to get a longer schedule, for the --stop-at refusal."""
     epochs_steps = data.order.total_steps
     if data.horizon is not None and data.horizon < epochs_steps:
         name = data.horizon_from.split(" ")[0]
@@ -163,15 +154,12 @@ def restore(
     inputs: Any,
     stop_at: Optional[int] = None,
 ) -> None:
-    """Continue ``pos`` from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG.
-
-    Every check comes before anything is loaded or logged about the schedule: the checkpoint against the run
-    (:func:`eagle3.train.resume_checks.check_resume`: all refused fields in one line), then the step horizon, then
-    ``stop_at`` (:func:`set_stop_at`).
+    """Continue ``pos`` from the newest checkpoint (weights, optimizer, schedule, data position, RNG), after every check:
+    :func:`eagle3.train.resume_checks.check_resume`, the horizon, ``stop_at``.
 
     Raises:
-        UserError: a refused change (drafter shape, data order, loss definition, split or vocab map), a checkpoint
-            already past the run's end, a refused ``stop_at``, or a model state that does not fit.
+        UserError: a refused change, a checkpoint past the run's end, a refused ``stop_at``, a model state that does
+        not fit.
     """
     found = ckpt.find_latest_checkpoint(rec.train_dir, warn=d.is_main)  # every rank loads it
     same_checkpoint(rec.train_dir, found, d)
@@ -211,8 +199,7 @@ def restore(
 
 
 def _restore_rng(path: Path, rngs: list, d: Dist, reseed: int) -> None:
-    """This rank's RNG states from the checkpoint (one per rank it was written on); on another process count they
-    cannot be matched to ranks, so every rank is reseeded with ``reseed`` (rank 0 says so)."""
+    """This rank's RNG states; on another process count every rank is reseeded with ``reseed``."""
     if len(rngs) == d.world:
         ckpt.restore_rng(rngs[d.rank])
         return
@@ -224,8 +211,7 @@ def _restore_rng(path: Path, rngs: list, d: Dist, reseed: int) -> None:
 
 
 def _resume_warnings(path: Path, state: dict, changes: list, unchecked, fingerprint: str) -> None:
-    """Rank 0's warnings of a resume: the allowed setting changes, or (a checkpoint without ``recipe``) a differing
-    fingerprint, and data inputs that could not be compared (train_report's warnings too)."""
+    """Rank 0's warnings of a resume: allowed setting changes or a differing fingerprint, unchecked inputs."""
     if changes:
         log.warning(
             "%s: resumed from %s with other training settings: %s",
@@ -245,11 +231,8 @@ def _resume_warnings(path: Path, state: dict, changes: list, unchecked, fingerpr
 
 
 def _load_state(path: Path, state: dict, d: Dist, opt: Any, inputs: Any, rec: RunRecord) -> None:
-    """Load a checked checkpoint's weights, optimizer and scheduler (keeping this run's schedule horizon, set by
-    :func:`restore`) and its warm-start record (``inputs.init_from``).
-
-    Raises:
-        UserError: the checkpoint's ``model`` misses trainable tensors or has unexpected ones.
+    """Load weights, optimizer and scheduler (keeping this run's horizon) and ``init_from``; UserError when ``model``
+    misses trainable tensors or has unexpected ones.
     """
     drafter = inputs.drafter
     missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
@@ -276,9 +259,7 @@ def _load_state(path: Path, state: dict, d: Dist, opt: Any, inputs: Any, rec: Ru
 
 
 def _horizon_reason(state: dict, rec: RunRecord, d: Dist) -> str:
-    """Why a resumed run's lr schedule differs from its checkpoint's, for the warning: the schedule keys changed in
-    the config (``train.epochs`` / ``train.max_steps`` / ``--max-steps``, ``train.warmup_ratio``) and/or another
-    process count (the steps of ``train.epochs`` follow the new split)."""
+    """Why the resumed LR schedule differs from the checkpoint's (changed keys, process count)."""
     saved, now = state.get("recipe") or {}, rec.current["recipe"]
     keys = [
         k
@@ -298,8 +279,7 @@ def _horizon_reason(state: dict, rec: RunRecord, d: Dist) -> str:
 
 
 def announce_resume(pos: Any, d: Dist, order: TrainData) -> None:
-    """Log where a resumed run stands (rank 0), once every setup check (``--stop-at`` included) has passed:
-    ``step 2, at the end of epoch 1`` or ``step 3, epoch 2, 1 step into it`` (epochs counted from 0)."""
+    """Rank 0's line of where a resumed run stands (epochs from 0)."""
     if pos.last_ckpt is None or not d.is_main:
         return
     k = pos.step_in_epoch
@@ -311,8 +291,7 @@ def announce_resume(pos: Any, d: Dist, order: TrainData) -> None:
 
 
 def optimizer_values(opt: Any) -> dict:
-    """``lr`` and ``weight_decay`` as the optimizer holds them: a resumed checkpoint's, not the config's
-    (:data:`eagle3.train.resume_checks.KEPT_FIELDS`)."""
+    """``lr`` and ``weight_decay`` as the optimizer holds them (a resumed checkpoint's)."""
     return {
         "lr": float(opt.scheduler.base_lrs[0]),
         "weight_decay": float(opt.optimizer.param_groups[0]["weight_decay"]),
@@ -320,8 +299,7 @@ def optimizer_values(opt: Any) -> dict:
 
 
 def current_segment(pos: Any, rec: RunRecord, d: Dist) -> dict:
-    """This call's part of the run (:func:`eagle3.train.report.segment_record`): from the step it started at to
-    the current step."""
+    """This call's part of the run (:func:`eagle3.train.report.segment_record`)."""
     return segment_record(
         pos.segment_start,
         pos.step,
@@ -335,8 +313,7 @@ def current_segment(pos: Any, rec: RunRecord, d: Dist) -> dict:
 
 
 def segments(pos: Any, rec: RunRecord, d: Dist) -> list[dict]:
-    """The run's parts, one per 04 call that trained (a resumed checkpoint's earlier ones, then this call's; parts
-    without a step left out): checkpoint and ``train_report.json`` key ``segments``."""
+    """The run's parts with at least one step: earlier ones, then this call's."""
     return [
         g
         for g in [*pos.earlier_segments, current_segment(pos, rec, d)]
@@ -345,9 +322,9 @@ def segments(pos: Any, rec: RunRecord, d: Dist) -> list[dict]:
 
 
 def save(pos: Any, rec: RunRecord, d: Dist, order: TrainData, opt: Any, inputs: Any) -> Path:
-    """Checkpoint at ``pos.step`` (every rank's RNG gathered; rank 0 writes). The recipe recorded is the config's
-    except the fields a resumed checkpoint's optimizer state keeps (:func:`optimizer_values`), so a later
-    ``--resume`` with the run's original config warns about nothing."""
+    """Checkpoint at ``pos.step`` (every rank's RNG gathered, rank 0 writes, all wait); the recipe is the config's but for
+    the optimizer-held values (:func:`optimizer_values`).
+    """
     rng = ckpt.capture_rng()
     rngs = d.all_gather(rng)
     path = ckpt.ckpt_path(rec.train_dir, pos.step)
@@ -373,9 +350,8 @@ def save(pos: Any, rec: RunRecord, d: Dist, order: TrainData, opt: Any, inputs: 
             "recipe": recipe,
             "data_inputs": rec.current["data_inputs"],
             "segments": segments(pos, rec, d),
-            resume_checks.DATA_CONFIG_RECORD: resume_checks.data_config_record(
-                inputs.data_config
-            ),  # --export-only sans shards
+            # what --export-only reads without the shards
+            resume_checks.DATA_CONFIG_RECORD: resume_checks.data_config_record(inputs.data_config),
         }
         path = ckpt.save_checkpoint(rec.train_dir, state, keep=rec.keep_checkpoints)
     d.barrier()

@@ -483,7 +483,7 @@ DRAFTER_CONFIG_KEYS = frozenset(
 
 
 def drafter_field_source(key: str) -> str:
-    """How a user sets a :class:`eagle3.drafter.model.DrafterArgs` field back: the real config key or input.
+    """How a user sets a :class:`eagle3.drafter.args.DrafterArgs` field back: the real config key or input.
 
     ``drafter.*`` config keys exist only for the decoder-layer shape (:data:`DRAFTER_CONFIG_KEYS`);
     the draft vocab size comes from ``data.draft_vocab_size`` through stage 03's ``vocab_map.pt``,

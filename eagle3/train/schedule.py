@@ -1,17 +1,8 @@
-"""Learning-rate schedule: linear warmup then cosine decay to zero, stepped per optimizer step.
-
-Convention: the same shape as Hugging Face ``get_cosine_schedule_with_warmup`` (num_cycles 0.5),
-which SpecForge and most EAGLE-3 trainers use:
-
-- ``s < W``:  ``lr(s) = base_lr * s / W``
-- ``s >= W``: ``lr(s) = base_lr * 0.5 * (1 + cos(pi * (s - W) / max(1, T - W)))``
-
-where ``s`` is the number of optimizer steps already taken (the LR used *for* step ``s + 1``),
-``W`` the warmup steps and ``T`` the total steps; bit-identical to transformers' schedule for
-``s <= T`` (tests/train/test_train.py). Kept as its own object: ``LambdaLR.state_dict`` saves a
-callable object's attributes, so each checkpoint records the horizon ``(W, T)`` that ``--resume``
-compares and re-stretches (transformers' lambda is a ``functools.partial``: nothing is saved), and
-past ``T`` the factor stays 0 (transformers' rises again).
+"""Learning-rate schedule: linear warmup then cosine decay to zero, per optimizer step: ``lr(s) = base * s / W`` for
+``s < W``, else ``base * 0.5 * (1 + cos(pi * (s - W) / max(1, T - W)))`` (``s`` steps taken, ``W`` warmup, ``T``
+total). Bit-identical to transformers' ``get_cosine_schedule_with_warmup`` for ``s <= T``; kept as an object so
+``LambdaLR.state_dict`` records the horizon ``(W, T)`` that ``--resume`` compares and re-stretches (transformers'
+``partial`` saves nothing), and the factor stays 0 past ``T``.
 """
 
 from __future__ import annotations
@@ -24,21 +15,12 @@ from eagle3.errors import UserError
 
 
 def warmup_steps_for(total_steps: int, warmup_ratio: float) -> int:
-    """Warmup length in optimizer steps: ``ceil(warmup_ratio * total_steps)`` (0 when the ratio is 0)."""
+    """``ceil(warmup_ratio * total_steps)``."""
     return int(math.ceil(warmup_ratio * total_steps))
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Multiplier of the base LR after ``step`` optimizer steps (see module docstring).
-
-    Args:
-        step: optimizer steps already taken (0-based), ``>= 0``.
-        warmup_steps: ``W >= 0``.
-        total_steps: ``T >= 1``; for ``step >= T`` the factor stays 0.
-
-    Returns:
-        float in ``[0, 1]``.
-    """
+    """The base-LR multiplier in ``[0, 1]`` after ``step >= 0`` steps (module docstring)."""
     if step < warmup_steps:
         return step / max(1, warmup_steps)
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
@@ -46,7 +28,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 class WarmupCosine:
-    """LR multiplier for ``LambdaLR``; a plain object, so ``LambdaLR.state_dict()`` stores its two ints (weights-only loadable)."""
+    """The ``LambdaLR`` multiplier; its two ints are what ``state_dict`` stores."""
 
     def __init__(self, warmup_steps: int, total_steps: int):
         self.warmup_steps = int(warmup_steps)
@@ -59,11 +41,7 @@ class WarmupCosine:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` with linear warmup + cosine decay; call ``.step()`` once per optimizer step.
-
-    Raises:
-        UserError: ``total_steps < 1`` (no data for even one optimizer step).
-    """
+    """A ``LambdaLR`` of :class:`WarmupCosine`; UserError for ``total_steps < 1``."""
     if total_steps < 1:
         raise UserError(
             f"train: the schedule has {total_steps} optimizer steps; need at least 1 (more data, or smaller batch_size/grad_accum)"

@@ -144,8 +144,9 @@ def check_init_from(init_from: Optional[str], drafter: dict, config_keys: Collec
     """The warm-start checks made before anything is written: ``init_from`` (``train.init_from``) is an export folder
     (``config.json`` + ``model.safetensors``) and its recorded ``drafter_args`` (:func:`exported_drafter_args`;
     absent ``variant`` / ``num_layers`` / ``attention``: the DrafterArgs defaults) hold the shape fields of
-    ``drafter`` (:data:`WARM_START_SHAPE` field -> this run's value; None: not known yet). A field the export does
-    not record is left to :func:`warm_start`'s tensor-by-tensor check.
+    ``drafter`` (:data:`WARM_START_SHAPE` field -> this run's value; None: not known yet; an MLA drafter's
+    ``num_key_value_heads`` / ``head_dim`` are derived from its sizes, not compared). A field not compared here is
+    left to :func:`warm_start`'s tensor-by-tensor check.
 
     Returns:
         whether a warm start is configured (``init_from`` set).
@@ -158,6 +159,8 @@ def check_init_from(init_from: Optional[str], drafter: dict, config_keys: Collec
     if not init_from:
         return False
     exported = exported_drafter_args(init_from)
+    if drafter.get("attention") == "mla":  # derived from the MLA sizes (eagle3/drafter/mla.py)
+        drafter = {k: v for k, v in drafter.items() if k not in ("num_key_value_heads", "head_dim")}
     have = {"variant": "eagle3", "num_layers": 1, "attention": "llama", **(exported or {})}
     for key, b in drafter.items() if exported is not None else ():
         if key in have and b is not None and have[key] != b:

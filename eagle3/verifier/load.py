@@ -1,15 +1,7 @@
-"""Loading the verifier (target) model, its tokenizer and its configuration.
-
-The verifier is a Hugging Face causal LM stored in a local folder (never fetched from a hub at run
-time). Two layouts are supported:
-
-* an HF folder (``config.json`` + safetensors + tokenizer files);
-* a folder holding a GGUF file (``verifier.gguf_file``), which transformers dequantises to float
-  (needs the ``gguf`` package); the embedded default SmolLM2-135M-Instruct is loaded this way.
-
-Multimodal wrappers such as Kimi-K2.5 (``KimiK25ForConditionalGeneration``) keep the language
-model's settings in a nested ``text_config``; :func:`eagle3.verifier.arch.text_config` unwraps it,
-so every shape the pipeline needs (:func:`verifier_dims`) is read from the text model.
+"""Loading the verifier (target) model, its tokenizer and configuration from a local folder (never a hub at run
+time): an HF folder (``config.json`` + safetensors + tokenizer) or a folder holding ``verifier.gguf_file``
+(transformers dequantises it; needs ``gguf``). Shapes come from the text model (:func:`eagle3.verifier.arch.text_config`
+unwraps multimodal wrappers such as Kimi-K2.5).
 """
 
 from __future__ import annotations
@@ -19,12 +11,13 @@ import hashlib
 import logging
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union
+from typing import Annotated, Any, Optional, Protocol, Union
 
 import torch
+from pydantic import BaseModel, BeforeValidator, Field, StrictInt, ValidationError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io import read_json
 from eagle3.verifier.arch import cfg_get, drafter_head_dim, text_config
 
@@ -76,30 +69,20 @@ _FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
 
 
 def weights_fingerprint(vcfg: VerifierSpec) -> Optional[str]:
-    """A content fingerprint of the verifier's weight files, recorded by 02 in ``data_config.json``
-    (``verifier_weights``) and compared by 03/04 (:func:`eagle3.shards.checks.check_verifier`): the model the shards
-    were captured from, whatever ``verifier.name`` says or where its folder now lives (a moved or copied folder keeps
-    it; another model of the same shapes, e.g. base vs instruct, has other bytes).
-
-    sha256 over each weight file transformers loads (the ``verifier.gguf_file``, else every ``*.safetensors`` directly
-    in the folder, else every ``pytorch_model*.bin``; by name, so ``training_args.bin`` and the like do not count):
-    its name, its size and 1 MiB from its middle (tensor data, past the header that two models of one architecture
-    share). Reads at most 1 MiB a file.
+    """A content fingerprint of the verifier's weight files (key :data:`WEIGHTS_KEY` in 02's ``data_config.json``
+    and 01's settings): sha256 over each file transformers loads (``verifier.gguf_file``, else every
+    ``*.safetensors`` in the folder, else every ``pytorch_model*.bin``) of its name, size and 1 MiB from its middle.
 
     Returns:
-        ``sha256:<hex>``, or None when the folder holds no weight file or is not on this machine (nothing to compare).
+        ``sha256:<hex>``, or None when the folder holds no weight file or is not on this machine.
     """
     try:
         folder = vcfg.resolved_path()
-    except (
-        UserError
-    ):  # a package: path whose package is not installed here (03 needs no verifier files)
+    except UserError:  # a package: path whose package is not installed here
         return None
     if vcfg.gguf_file:
         files = [folder / vcfg.gguf_file]
-    elif (
-        folder.is_dir()
-    ):  # the files transformers loads: safetensors, else pytorch_model*.bin (not training_args.bin)
+    elif folder.is_dir():
         files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
     else:
         files = []
@@ -116,43 +99,23 @@ def weights_fingerprint(vcfg: VerifierSpec) -> Optional[str]:
     return "sha256:" + h.hexdigest()
 
 
-WEIGHTS_KEY = (
-    "verifier_weights"  # the key of weights_fingerprint in data_config.json and 01's settings
-)
+WEIGHTS_KEY = "verifier_weights"
 
 
 def weights_differ(recorded: Optional[str], now: Optional[str]) -> bool:
-    """THE rule for comparing two verifier-weights fingerprints (:func:`weights_fingerprint`, key ``verifier_weights``),
-    used by every check that compares one (02's shards folder, 03/04's ``check_verifier``, 04's checkpoint
-    ``data_inputs``, ``--export-only``'s checkpoint record, 01's settings and resume log, the self-instruct report): a
-    mismatch only when BOTH sides record one and they are not equal. A side without one (None or empty: a record
-    written before the fingerprint existed, or a verifier folder without weight files, e.g. a hub id's cache) is
-    nothing to compare: no mismatch. Each caller words its own refusal.
-
-    Args:
-        recorded: the fingerprint a record holds (``str``, or None when it holds none).
-        now: the other side's (``str`` or None).
-
-    Returns:
-        True when both are set and differ.
-    """
+    """THE rule for comparing two :func:`weights_fingerprint` values, for every record that holds one: a mismatch
+    only when both are set (not None or empty) and differ; a side without one has nothing to compare."""
     return bool(recorded) and bool(now) and recorded != now
 
 
 def weights_record(vcfg: VerifierSpec) -> dict:
-    """``{"verifier_weights": fingerprint}`` (:func:`weights_fingerprint`) for a record that names the model it was made
-    with (02's ``data_config.json``, 01's settings when it regenerates in-process, a self-instruct file's report), or
-    ``{}`` when the folder holds no weight file (nothing to compare)."""
+    """``{"verifier_weights": fingerprint}`` for a record of the model it was made with, ``{}`` without one."""
     fp = weights_fingerprint(vcfg)
     return {WEIGHTS_KEY: fp} if fp else {}
 
 
 def _hf_kwargs(vcfg: VerifierSpec) -> dict:
-    """Keyword arguments shared by every ``from_pretrained`` call.
-
-    ``trust_remote_code`` is passed only when the config asks for it, so a checkpoint's own Python
-    code never runs by accident (transformers' default is False).
-    """
+    """Keyword arguments of every ``from_pretrained`` call; ``trust_remote_code`` only when the config asks."""
     kw: dict[str, Any] = {}
     if vcfg.gguf_file:
         kw["gguf_file"] = vcfg.gguf_file
@@ -165,9 +128,7 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """``None``/``"auto"`` -> ``cuda`` if available else ``cpu``; anything else -> ``torch.device(device)``.
 
     Raises:
-        UserError: an unparsable device string, or a CUDA device this machine does not have (``cuda`` without CUDA,
-            ``cuda:3`` with 2 GPUs): the model's ``.to()`` failed with a traceback (``AssertionError: Torch not
-            compiled with CUDA enabled``) after the verifier had been read.
+        UserError: an unparsable device, or a CUDA device this machine does not have (naming ``verifier.device``).
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -175,41 +136,38 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise UserError(f"verifier.device: invalid device '{device}'") from e
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(
-                f"verifier.device: '{device}', but CUDA is not available on this machine "
-                f"(torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
-                f"auto (cuda when there is one, else cpu) or cpu"
-            )
-        n = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= n:
-            raise UserError(
-                f"verifier.device: '{device}', but this machine has {n} CUDA device{'s' if n != 1 else ''} "
-                f"(cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them"
-            )
+    n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
+    if dev.type == "cuda" and (n == 0 or (dev.index or 0) >= n):
+        has = (
+            f"{n} CUDA device{'s' if n != 1 else ''} (cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them"
+            if n
+            else f"no CUDA (torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
+            "auto (cuda when there is one, else cpu) or cpu"
+        )
+        raise UserError(f"verifier.device: '{device}', but this machine has {has}")
     return dev
+
+
+def _from_pretrained(what: str, loader, path: Path, **kw):
+    """``loader.from_pretrained(path, **kw)``; UserError naming ``verifier.path`` and ``what`` when it fails."""
+    try:
+        return loader.from_pretrained(str(path), **kw)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"verifier.path: cannot load the {what} from '{path}': {first}") from e
 
 
 # ---------------------------------------------------------------------------------------------
 # tokenizer, config, model
 # ---------------------------------------------------------------------------------------------
 def load_tokenizer(vcfg: VerifierSpec):
-    """Load the verifier's tokenizer from the local folder (or GGUF).
-
-    The pad token is set to the EOS token when the tokenizer has none (pads are always masked
-    out by the attention mask, so the id only has to be valid). ``padding_side`` is left as the
-    tokenizer defines it; batched generation sets LEFT padding itself.
+    """The verifier's tokenizer, its pad token the EOS token when it has none (pads are masked), its stop ids
+    registered (:func:`register_stop_ids`).
 
     Raises:
         UserError: missing folder/files, or a tokenizer transformers cannot load.
     """
-    path = _check_files(vcfg)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path), **_hf_kwargs(vcfg))
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"verifier.path: cannot load the tokenizer from '{path}': {first}") from e
+    tok = _from_pretrained("tokenizer", AutoTokenizer, _check_files(vcfg), **_hf_kwargs(vcfg))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     register_stop_ids(tok, config_eos_ids(vcfg))
@@ -235,25 +193,20 @@ tokenizer's vocab are used."""
 _STOP_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _eos_field(value: Any, source: Path) -> set[int]:
-    if value is None:
-        return set()
-    vals = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(vals, (list, tuple)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals
-    ):
-        raise UserError(
-            f"{source}: key 'eos_token_id' must be a token id or a list of token ids, got {value!r}"
-        )
-    return {int(v) for v in vals}
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class EosIds(BaseModel):
+    """``eos_token_id`` of a ``config.json`` / ``generation_config.json`` (or its ``text_config``): an id or a list."""
+
+    eos_token_id: Annotated[list[Annotated[StrictInt, Field(ge=0)]], BeforeValidator(_as_list)] = []
 
 
 def config_eos_ids(vcfg: VerifierSpec) -> set[int]:
-    """The stop ids a serving engine takes from the verifier folder: ``eos_token_id`` (an int or a
-    list) of ``config.json`` (top level and a nested ``text_config``) united with that of
-    ``generation_config.json`` -- SGLang 0.5.23 ``ModelConfig._get_hf_eos_token_id`` (config eos |
-    generation-config eos), and what HF ``generate`` stops on (its ``generation_config``). Files
-    that are absent (GGUF folders) contribute nothing.
+    """The stop ids a serving engine takes from the verifier folder: the union of ``eos_token_id`` (an id or a list)
+    of ``config.json`` (top level and ``text_config``) and ``generation_config.json``, as SGLang 0.5.23
+    ``ModelConfig._get_hf_eos_token_id`` and HF ``generate`` take them; absent files contribute nothing.
 
     Raises:
         UserError: a file that is not JSON or an ``eos_token_id`` that is not ids, naming the file.
@@ -267,15 +220,18 @@ def config_eos_ids(vcfg: VerifierSpec) -> set[int]:
         raw = read_json(f)  # file:line: malformed JSON / not UTF-8 text
         if not isinstance(raw, dict):
             continue
-        out |= _eos_field(raw.get("eos_token_id"), f)
-        if isinstance(raw.get("text_config"), dict):
-            out |= _eos_field(raw["text_config"].get("eos_token_id"), f)
+        for sub in (raw, raw.get("text_config")):
+            if isinstance(sub, dict) and sub.get("eos_token_id") is not None:
+                try:
+                    out |= set(EosIds.model_validate(sub).eos_token_id)
+                except ValidationError as e:
+                    raise refusal(e, str(f), "a token id or a list of token ids") from e
     return out
 
 
 def register_stop_ids(tokenizer, ids: set[int]) -> None:
-    """Attach the verifier folder's stop ids (:func:`config_eos_ids`) to its tokenizer object, so
-    that :func:`stop_token_ids` of that tokenizer includes them wherever it is used (01, 02, 05)."""
+    """Attach the verifier folder's stop ids (:func:`config_eos_ids`) to its tokenizer object for
+    :func:`stop_token_ids`."""
     try:
         _STOP_IDS[tokenizer] = frozenset(_builtin_stop_ids(tokenizer) | {int(i) for i in ids})
     except TypeError:  # not weak-referenceable: only the built-in set
@@ -297,19 +253,9 @@ def _builtin_stop_ids(tokenizer) -> set[int]:
 
 
 def stop_token_ids(tokenizer) -> set[int]:
-    """THE verifier's stop set: the ids that end an assistant turn, for every reader (01's local
-    and server regeneration stop, 02's loss-mask turn end, 05's decoding stop; recorded as
-    ``stop_token_ids`` in ``prompts_report.json`` and ``data_config.json``).
-
-    = the tokenizer's EOS id(s) | the known end-of-turn specials in its vocab
-    (:data:`END_OF_TURN_TOKENS`) | for a tokenizer from :func:`load_tokenizer`, the folder's
-    ``config.json`` / ``generation_config.json`` ``eos_token_id`` (:func:`config_eos_ids`: where
-    SGLang and HF ``generate`` take their stop ids). Cached per tokenizer object (``get_vocab``
-    builds a dict of the whole vocabulary: 164K entries for Kimi).
-
-    Returns:
-        a new ``set[int]``.
-    """
+    """THE verifier's stop set (a new ``set[int]``), for every reader (01's regeneration stop, 02's loss-mask turn
+    end, 05's decoding stop): the tokenizer's EOS id(s) | the :data:`END_OF_TURN_TOKENS` in its vocab | for a
+    tokenizer from :func:`load_tokenizer`, :func:`config_eos_ids`. Cached per tokenizer object."""
     try:
         return set(_STOP_IDS[tokenizer])
     except (KeyError, TypeError):
@@ -323,14 +269,8 @@ def stop_token_ids(tokenizer) -> set[int]:
 
 
 def load_verifier_config(vcfg: VerifierSpec):
-    """Load only the verifier's configuration (no weights), also for GGUF files.
-
-    When transformers does not know the ``model_type`` (e.g. Kimi-K2.5 with
-    ``trust_remote_code: false``), ``config.json`` is read as a plain ``PretrainedConfig`` so its
-    shapes can still be read with :func:`verifier_dims` (nested ``text_config`` stays a dict).
-
-    Returns:
-        ``transformers.PretrainedConfig``.
+    """The verifier's ``transformers.PretrainedConfig`` (no weights; GGUF too). A ``model_type`` transformers does not
+    know (Kimi-K2.5 without remote code) gives ``config.json`` as a plain ``PretrainedConfig``.
 
     Raises:
         UserError: missing folder/files, or malformed ``config.json``.
@@ -353,10 +293,9 @@ def load_verifier_config(vcfg: VerifierSpec):
         return PretrainedConfig(**raw)
 
 
-# transformers >= 5.2x (quantizers/quantizer_gguf.py, GgufQuantizer.update_dtype) warns on every GGUF load in a
-# dtype other than float32 that packed GGUF weights are fastest in float32. verifier.dtype is a deliberate
-# choice (configs/smollm2-135m.yaml: bf16 generated faster than fp32 on the 2-core CPU, and 05 switches to float32
-# on CPU for its exact lossless check), so that note is dropped and the reason logged once per process instead.
+# transformers' GGUF quantizer warns on every load in a dtype other than float32; verifier.dtype is chosen on
+# purpose (configs/smollm2-135m.yaml: bf16 generated faster on CPU), so that note is dropped and the reason
+# logged once per process.
 _GGUF_DTYPE_NOTE = "Loading a GGUF checkpoint with its weights packed is fastest in float32"
 _GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
 _gguf_reason_logged = False
@@ -409,14 +348,10 @@ def load_verifier(vcfg: VerifierSpec, device: Optional[Union[str, torch.device]]
     path = _check_files(vcfg)
     dev = resolve_device(device if device is not None else vcfg.device)
     tok = load_tokenizer(vcfg)
-    try:
-        with _gguf_dtype_note_silenced(vcfg):
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg)
-            )
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"verifier.path: cannot load the model from '{path}': {first}") from e
+    with _gguf_dtype_note_silenced(vcfg):
+        model = _from_pretrained(
+            "model", AutoModelForCausalLM, path, dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg)
+        )
     model.to(dev)
     model.eval()
     if (
@@ -510,18 +445,15 @@ def verifier_dims(hf_config: Any) -> dict:
             with :func:`text_config`).
 
     Returns:
-        dict with ``num_layers`` (decoder layers N; HF returns N+1 hidden states),
-        ``hidden_size``, ``vocab_size``, ``architecture`` (the TOP-level ``architectures[0]``, e.g.
-        ``KimiK25ForConditionalGeneration``; for GGUF configs, which have none, transformers'
-        causal-LM class for the model type, e.g. ``LlamaForCausalLM``), ``model_type`` (of the text model, e.g.
-        ``deepseek_v3``/``kimi_k2``), ``rms_norm_eps``, ``rope_theta`` (None if absent),
-        ``num_attention_heads``, ``num_key_value_heads`` (defaults to the head count),
-        ``head_dim`` (``head_dim`` field for standard attention; ``hidden_size // heads`` for MLA
-        models, which have ``kv_lora_rank``, because the drafter is a Llama-style layer),
-        ``intermediate_size`` (the dense MLP width) and ``max_position_embeddings``.
+        dict with ``num_layers`` (decoder layers N; HF returns N+1 hidden states), ``hidden_size``, ``vocab_size``,
+        ``architecture`` (the top-level ``architectures[0]``; for GGUF configs transformers' causal-LM class of the
+        model type), ``model_type`` (of the text model), ``rms_norm_eps``, ``rope_theta`` (None if absent),
+        ``num_attention_heads``, ``num_key_value_heads`` (default: the head count), ``head_dim``
+        (:func:`eagle3.verifier.arch.drafter_head_dim`), ``intermediate_size`` (the dense MLP width) and
+        ``max_position_embeddings``.
 
     Raises:
-        UserError: a required field (num_hidden_layers, hidden_size, vocab_size) is missing.
+        UserError: a required field (num_hidden_layers, hidden_size, vocab_size, num_attention_heads) is missing.
     """
     top = hf_config
     tc = text_config(hf_config)
@@ -530,6 +462,7 @@ def verifier_dims(hf_config: Any) -> dict:
         ("num_layers", "num_hidden_layers"),
         ("hidden_size", "hidden_size"),
         ("vocab_size", "vocab_size"),
+        ("num_attention_heads", "num_attention_heads"),
     ):
         v = cfg_get(tc, name)
         if v is None and name == "vocab_size":
@@ -544,12 +477,7 @@ def verifier_dims(hf_config: Any) -> dict:
         cfg_get(tc, "rms_norm_eps", cfg_get(tc, "layer_norm_eps", 1e-6)) or 1e-6
     )
     out["rope_theta"] = _rope_theta(tc)
-    if cfg_get(tc, "num_attention_heads") is None:
-        raise UserError(
-            "verifier config: missing field 'num_attention_heads' in the text model config"
-        )
-    heads = int(cfg_get(tc, "num_attention_heads"))
-    out["num_attention_heads"] = heads
+    heads = out["num_attention_heads"]
     out["num_key_value_heads"] = int(cfg_get(tc, "num_key_value_heads") or heads)
     out["head_dim"] = drafter_head_dim(tc, out["hidden_size"], heads)
     out["intermediate_size"] = int(cfg_get(tc, "intermediate_size") or 4 * out["hidden_size"])

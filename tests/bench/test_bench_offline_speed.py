@@ -254,7 +254,8 @@ def test_offline_bench_speed_checks_the_drafter_shape_and_takes_num_prompts_from
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
     from eagle3.errors import UserError
     from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
@@ -380,7 +381,8 @@ def test_offline_bench_speed_reports_the_checks_05_makes(tmp_path, tiny_llama_di
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
     from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 

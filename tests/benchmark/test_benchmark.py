@@ -342,10 +342,10 @@ def test_prompt_file_formats_and_errors(tmp_path):
     with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
         load_prompt_file(bad)
     bad.write_text(json.dumps({"text": "no key"}) + "\n")
-    with pytest.raises(UserError, match=r"bad.jsonl:1: no prompt key"):
+    with pytest.raises(UserError, match=r"bad.jsonl:1: the record has no prompt key"):
         load_prompt_file(bad)
     bad.write_text(json.dumps({"turns": []}) + "\n")
-    with pytest.raises(UserError, match=r"bad.jsonl:1: key 'turns'"):
+    with pytest.raises(UserError, match=r"bad.jsonl:1: field 'turns' should hold at least 1 item"):
         load_prompt_file(bad)
     with pytest.raises(UserError, match="not found"):
         load_eval_prompts(str(tmp_path / "missing.jsonl"))
@@ -574,7 +574,8 @@ def run_setup(tmp_path_factory, tiny_llama_dir):
     """Config YAML for the tiny verifier (bf16 in the config, float32 on CPU), an exported random drafter, prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
     from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 
@@ -1302,7 +1303,8 @@ def test_drafter_of_another_verifier_is_named_before_its_aux_layers(run_setup, t
     error names the verifier mismatch first, then the aux-layer symptom."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
     from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 

@@ -175,7 +175,8 @@ def context_run(tmp_path_factory, tiny_llama_dir):
     context_lengths [256, 1024, 4096] 05 caps at 2048 - 8 - 2 = 2038."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.model import Eagle3Drafter
     from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 

@@ -9,7 +9,8 @@ import torch
 
 from eagle3.decoding.common import accepted_prefix
 from eagle3.decoding.decode import greedy_generate, speculative_generate
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 
 AUX = [1, 3, 4]  # HF hidden_states indices of a 6-layer verifier

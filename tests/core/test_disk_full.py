@@ -462,7 +462,7 @@ def test_train_report_disk_full_keeps_the_earlier_report_whole(tmp_path, monkeyp
     from _ddp_worker import make_tiny_run
 
     from eagle3.config import load_config
-    from eagle3.drafter.model import DrafterArgs
+    from eagle3.drafter.args import DrafterArgs
     from eagle3.stages.train import run
     from eagle3.train.report import write_report
 

@@ -214,7 +214,7 @@ def test_a_cuda_device_this_machine_lacks_is_one_line_not_a_traceback(
     with pytest.raises(UserError) as e:
         load_verifier(VerifierConfig(path=str(tiny_llama_dir), dtype="float32", device="cuda"))
     assert str(e.value) == (
-        f"verifier.device: 'cuda', but CUDA is not available on this machine (torch "
+        f"verifier.device: 'cuda', but this machine has no CUDA (torch "
         f"{torch.__version__}, torch.cuda.is_available() is False); set verifier.device: auto "
         f"(cuda when there is one, else cpu) or cpu"
     )

@@ -19,7 +19,8 @@ from eagle3.data.dataset import (
     collate,  # noqa: E402
     loss_positions,  # noqa: E402
 )
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402  # noqa: E402
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter  # noqa: E402  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.losses.rows import row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
 from eagle3.losses.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402

@@ -17,7 +17,8 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.vocab import check_vocab_map  # noqa: E402
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train import resume_checks  # noqa: E402

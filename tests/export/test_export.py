@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export.common import META_FILE
 from eagle3.export.reader import load_exported, read_export_meta

@@ -9,7 +9,8 @@ import hashlib
 import pytest
 import torch
 
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.export.writer import export_drafter
 
 LLAMA30 = dict(

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from test_export import DSV3_61, LLAMA30, drafter  # noqa: E402
 
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402  # noqa: E402
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter  # noqa: E402  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.export.common import CONFIG_BLOCK, META_FILE
 from eagle3.export.reader import check_export_folder, load_exported

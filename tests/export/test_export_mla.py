@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3.drafter.args import MLA_FIELDS, DrafterArgs
 from eagle3.drafter.mla import mla_drafter_fields
-from eagle3.drafter.model import MLA_FIELDS, DrafterArgs, Eagle3Drafter
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export.reader import _args_from_config, load_exported
 from eagle3.export.writer import export_config, export_drafter, export_tensor_names
@@ -327,3 +328,39 @@ def test_sglang_serves_neox_rope_mla(tmp_path):
     d = _tiny_mla(interleave=False)
     out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
     assert json.loads((out / "config.json").read_text())["rope_interleave"] is False
+
+
+def test_config_time_check_refuses_only_what_the_config_fixes():
+    """What 04 checks at its start (eagle3/stages/train.py, before reading or writing anything): an MLA setting the
+    config fixes that the export engine cannot build; a null size is the verifier's, judged at the export."""
+    from eagle3.export.formats import check_config_serves
+
+    sizes = dict.fromkeys(MLA_FIELDS)
+    check_config_serves("vllm", "mla", sizes)  # all the verifier's: nothing known yet
+    check_config_serves("vllm", "llama", {**sizes, "rope_interleave": False})  # not an MLA drafter
+    with pytest.raises(
+        UserError, match=r"vllm cannot serve this MLA drafter: .*rope_interleave: true"
+    ):
+        check_config_serves("vllm", "mla", {**sizes, "rope_interleave": False})
+    check_config_serves("sglang", "mla", {**sizes, "rope_interleave": False})
+
+
+def test_warm_start_from_an_mla_export_checks_attention_not_the_derived_head_sizes(tmp_path):
+    """``train.init_from`` an MLA export: the config's num_key_value_heads / head_dim do not shape an MLA layer (its
+    sizes do), so they are not compared; a Llama-style run from it is refused naming drafter.attention."""
+    from eagle3.train.resume_checks import DRAFTER_CONFIG_KEYS
+    from eagle3.train.warm_start import WARM_START_SHAPE, check_init_from
+
+    out = export_drafter(_tiny_mla(), tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    cfg = dict.fromkeys(WARM_START_SHAPE) | {
+        "variant": "eagle3",
+        "num_layers": 1,
+        "hidden_size": 24,
+    }
+    mla_run = cfg | {"attention": "mla", "num_key_value_heads": 2, "head_dim": 16}
+    assert check_init_from(str(out), mla_run, DRAFTER_CONFIG_KEYS) is True
+    with pytest.raises(
+        UserError,
+        match=r"holds a drafter with attention 'mla', this run trains 'llama' \(drafter.attention\)",
+    ):
+        check_init_from(str(out), cfg | {"attention": "llama"}, DRAFTER_CONFIG_KEYS)

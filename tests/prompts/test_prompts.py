@@ -772,11 +772,11 @@ def test_utf8_byte_order_mark_is_read(tmp_path):
     [
         (
             ["a", "b"],
-            r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]' must be a content part .*got str$",
+            r"q\.jsonl:1: field 'messages\[0\]\.content' item 0 should be a content part .*got str; ",
         ),
         (
             [{"type": "text", "text": 5}],
-            r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]\.text' must be a string, got int$",
+            r"q\.jsonl:1: field 'messages\[0\]\.content' item 0: 'text' should be a string, got int; ",
         ),
     ],
 )
@@ -1021,7 +1021,7 @@ def test_a_bad_list_item_is_named_with_its_index(tmp_path, row, field):
     bad = _jsonl(tmp_path / "q.jsonl", [row])
     with pytest.raises(UserError) as e:
         read_conversations(bad, keep_prompt_only=True)
-    assert str(e.value).startswith(f"{bad}:1: field '{field}' must be a string, got ")
+    assert str(e.value).startswith(f"{bad}:1: field '{field}' should be a valid string, got ")
 
 
 def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
@@ -1108,7 +1108,9 @@ def test_a_top_level_system_field_is_the_system_turn(tmp_path):
     num = _jsonl(
         tmp_path / "num.jsonl", [{"conversations": [{"from": "human", "value": "q"}], "system": 3}]
     )
-    with pytest.raises(UserError, match=r"num\.jsonl:1: field 'system' must be a string, got int"):
+    with pytest.raises(
+        UserError, match=r"num\.jsonl:1: field 'system' should be a valid string, got 3"
+    ):
         read_conversations(str(num), keep_prompt_only=True)
     evalset = _jsonl(tmp_path / "eval.jsonl", [{"id": "e", "prompt": "q", "system": "Be terse."}])
     assert load_prompt_file(evalset)[0].messages == [S, U("q")]
@@ -1410,3 +1412,43 @@ def test_a_missing_source_is_refused_before_the_remaking_line(tmp_path, capsys, 
             run(load_config(_config(tmp_path, missing, sample_size=3, seed=5)))
         assert str(e.value) == f"{missing}: prompts file not found (prompts.source{where})"
         assert "remaking" not in capsys.readouterr().out and cfg.prompts_path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "row, err",
+    [
+        (
+            {"messages": [U("q"), A("a")], "tools": {"name": "f"}},
+            "field 'tools' should be a list, got {'name': 'f'}; messages records look like ",
+        ),
+        (
+            {"instruction": "a", "instances": ["x"]},
+            "field 'instances[0]' should be a JSON object, got str; alpaca records look like ",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": ["a"]}]},
+            "field 'conversations[0].value' item 0 should be a content part",
+        ),
+        (
+            {"conversations": "hi"},
+            "field 'conversations' should be a list, got 'hi'; sharegpt records",
+        ),
+        (["not", "a", "record"], "expected a JSON object, got list"),
+    ],
+)
+def test_a_record_its_model_refuses_names_file_line_and_field(tmp_path, row, err):
+    """Each source record is validated as its format's pydantic model (``RECORDS``): the refusal names the file and
+    line, the field path, what is wrong and the record shape expected."""
+    bad = _jsonl(tmp_path / "r.jsonl", [row])
+    with pytest.raises(UserError) as e:
+        read_conversations(bad, keep_prompt_only=True)
+    assert str(e.value).startswith(f"{bad}:1: ") and err in str(e.value)
+
+
+def test_sharegpt_turns_read_role_and_content_aliases(tmp_path):
+    """A ShareGPT turn may name its role ``from`` or ``role`` and its text ``value`` or ``content``."""
+    f = _jsonl(
+        tmp_path / "s.jsonl",
+        [{"conversations": [{"role": "user", "content": "q"}, {"from": "gpt", "value": "a"}]}],
+    )
+    assert read_conversations(f)[0]["messages"] == [U("q"), A("a")]

@@ -208,7 +208,9 @@ def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, ti
     )
     (d / "prompts_report.json").write_text("[]\n")
     with pytest.raises(
-        UserError, match=r"prompts_report.json: prompts.reuse_answers: not a report of 01 \(no "
+        UserError,
+        match=r"prompts_report.json: prompts.reuse_answers: the record should be a JSON object, got list; "
+        "name a regenerating 01 run's file",
     ):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=d / "prompts.jsonl", out="o2"))
     y = tmp_path / "c.yaml"
@@ -295,3 +297,23 @@ def test_answer_fields_of_an_older_or_hand_edited_01_are_said_in_one_line(tmp_pa
         "truncated",
         "stop_token",
     ]
+
+
+def test_the_earlier_report_is_read_as_its_model(tmp_path):
+    """``prompts_report.json`` of the reused file is an :class:`EarlierReport`: no ``settings`` or a run that did not
+    regenerate is refused naming the file and the field; equal settings pass."""
+    from eagle3.regen.reuse_answers import check_settings
+
+    rep = tmp_path / "prompts_report.json"
+    with pytest.raises(UserError) as e:
+        check_settings({"counts": {}}, {"regenerate": True}, rep)
+    assert str(e.value) == (
+        f"{rep}: prompts.reuse_answers: field 'settings' is missing; name a regenerating 01 run's file"
+    )
+    with pytest.raises(UserError) as e:
+        check_settings({"settings": {"regenerate": False}}, {"regenerate": True}, rep)
+    assert str(e.value) == (
+        f"{rep}: prompts.reuse_answers: field 'settings' says regenerate is not true: that run did not "
+        "regenerate its answers; name a regenerating 01 run's file"
+    )
+    check_settings({"settings": {"regenerate": True}}, {"regenerate": True}, rep)

@@ -236,7 +236,7 @@ def test_cli_writes_the_prompts_and_report_and_is_resumable(
         (
             ["--self-instruct", "5", "--out", "x.jsonl", "--self-instruct-top-p", "1.5"],
             {},
-            "expected in (0, 1]",
+            "'--self-instruct-top-p' should be less than or equal to 1, got 1.5",
         ),
         (["--self-instruct", "5", "--out", "x.jsonl"], {"WORLD_SIZE": "2"}, "without torchrun"),
         # trial si-2: written after the sampling, then unreadable in prompts.source (.json: one JSON array; .txt refused)

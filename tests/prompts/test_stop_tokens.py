@@ -243,7 +243,14 @@ def test_config_eos_int_list_and_bad_value(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2, 9]}))
     assert config_eos_ids(VerifierConfig(path=str(tmp_path))) == {0, 2, 7, 9}
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    gen = tmp_path / "generation_config.json"
+    with pytest.raises(UserError) as e:
+        config_eos_ids(VerifierConfig(path=str(tmp_path)))
+    assert str(e.value) == (
+        f"{gen}: field 'eos_token_id' should be a list, got '</s>'; a token id or a list of token ids"
+    )
+    gen.write_text(json.dumps({"eos_token_id": [1, -2]}))
     with pytest.raises(
-        UserError, match=r"generation_config.json: key 'eos_token_id' must be a token id"
+        UserError, match=r"field 'eos_token_id\[1\]' should be greater than or equal to 0"
     ):
         config_eos_ids(VerifierConfig(path=str(tmp_path)))

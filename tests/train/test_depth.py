@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_variant import make as make_tiny
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.caches import DrafterCache, StaticKVCache
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export.common import upper_layer_keys
 from eagle3.export.reader import load_exported

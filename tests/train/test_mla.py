@@ -11,9 +11,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.attention import rope_inv_freq, rotary_cos_sin, ttt_attention
 from eagle3.drafter.caches import DrafterCache
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter, Eagle3MLAAttention
+from eagle3.drafter.model import Eagle3Drafter, Eagle3MLAAttention
 from eagle3.errors import UserError
 
 H, HEADS = 48, 4
@@ -183,3 +184,60 @@ def test_mla_size_refusal_names_the_key():
         UserError, match=r"drafter field 'mla.kv_lora_rank' must be an integer >= 1"
     ):
         DrafterArgs(**a)
+
+
+def test_param_count_helper_sizes_smollm2(capsys):
+    """The sizes given for the SmolLM2 comparison: the MLA attention is within 0.04% of the GQA one (hand counts:
+    GQA q 1152*576 + k, v 2*1152*192 + o 576*576 = 1,437,696; MLA q_a 1152*384 + q_b 384*9*96 + kv_a 1152*160 +
+    kv_b 128*9*128 + o 576*576 + norms 384 + 128 = 1,438,208)."""
+    from eagle3.drafter.mla import main
+
+    argv = "--hidden 576 --heads 9 --kv-heads 3 --head-dim 64 --intermediate 1536 --mla".split()
+    sizes = "q_lora_rank=384,kv_lora_rank=128,qk_nope_head_dim=64,qk_rope_head_dim=32,v_head_dim=64"
+    assert main(argv + [sizes, "--max-diff", "0.03"]) == 0
+    out = capsys.readouterr().out
+    assert "llama attention 1,437,696" in out and "mla   attention 1,438,208" in out
+    small = sizes.replace("kv_lora_rank=128", "kv_lora_rank=32")
+    assert main(argv + [small, "--max-diff", "0.03"]) == 1
+
+
+def test_llama_verifier_needs_the_mla_sizes_set():
+    from eagle3.drafter.args import MLA_FIELDS
+    from eagle3.drafter.mla import mla_drafter_fields
+
+    llama = {"hidden_size": 64, "num_attention_heads": 4}
+    with pytest.raises(
+        UserError, match=r"drafter.mla.kv_lora_rank is null and the verifier is not an MLA model"
+    ):
+        mla_drafter_fields(dict.fromkeys(MLA_FIELDS), 4, llama)
+    given = dict(
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        rope_interleave=None,
+    )
+    f = mla_drafter_fields(given, 4, llama)
+    assert (
+        f["mla"]["q_lora_rank"] is None and f["mla"]["rope_interleave"] is True
+    )  # plain q_proj, DeepSeek layout
+    assert (f["num_key_value_heads"], f["head_dim"]) == (4, 12) and "rope_scaling" not in f
+
+
+def test_mla_static_cache_decode_equals_batched_cache_decode():
+    """The batch-1 static decoder's cache (value head dim != key head dim) gives the batched cache's outputs."""
+    from eagle3.drafter.caches import StaticKVCache
+
+    torch.manual_seed(2)
+    d = Eagle3Drafter(_args(rope_scaling=YARN), embed_weight=torch.randn(80, H)).eval()
+    ids, aux = torch.randint(0, 80, (1, 10)), torch.randn(1, 10, 3 * H)
+    pos = torch.arange(10)[None]
+    with torch.no_grad():
+        h = d.project(aux)
+        want = d.decode(ids, h, pos, DrafterCache())
+        cache = StaticKVCache(16, 1)
+        got = d.decode_static(ids[:, :6], h[:, :6], pos[:, :6], cache)
+        got = torch.cat([got, d.decode_static(ids[:, 6:], h[:, 6:], pos[:, 6:], cache)], dim=1)
+    assert cache.k[0].shape == (1, HEADS, 16, 20) and cache.v[0].shape == (1, HEADS, 16, 10)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

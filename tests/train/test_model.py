@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.caches import DrafterCache
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter, RMSNorm
+from eagle3.drafter.model import Eagle3Drafter, RMSNorm
 from eagle3.errors import UserError
 from eagle3.export.sglang import KEYS as SGLANG_KEYS
 

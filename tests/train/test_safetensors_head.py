@@ -231,7 +231,10 @@ def test_errors_name_file_and_key(tmp_path):
         },
         {"hidden_size": H, "vocab_size": V},
     )
-    with pytest.raises(UserError, match="config.json: key 'rms_norm_eps' missing"):
+    with pytest.raises(
+        UserError,
+        match="config.json: field 'rms_norm_eps' is missing; the checkpoint's config.json needs it",
+    ):
         load_target_head_from_safetensors(d3)
     d4 = tmp_path / "missingshard"
     _write_sharded(

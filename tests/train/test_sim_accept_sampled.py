@@ -15,7 +15,8 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fix
 from eagle3.config import load_config
 from eagle3.decoding.metrics import acceptance_probs, expected_tau
 from eagle3.decoding.sampling import Sampler
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.stages.train import run
 from eagle3.train.sampled_accept import SampledAcceptance, sampled_acceptance_sums

@@ -945,3 +945,38 @@ def test_loss_png_draws_a_single_train_row(monkeypatch):
     assert _loss_png(rows)
     train = [ln for ln in axes[0].lines if ln.get_label() == "train"][0]
     assert list(train.get_xdata()) == [8] and train.get_marker() not in ("None", "", None)
+
+
+def test_target_head_file_lacking_a_tensor_or_key_is_refused_naming_it(tmp_path):
+    """``target_head.safetensors`` is read as :class:`eagle3.verifier.head.HeadFile`: a missing tensor, metadata key
+    or an untied head without ``lm_head`` is refused naming the file and the field."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "target_head.safetensors"
+    meta = {"norm_eps": "1e-06", "last_is_post_norm": "True", "tied": "True"}
+    save_file({"embed": torch.zeros(4, 2)}, str(path), metadata=meta)
+    with pytest.raises(UserError) as e:
+        TargetHead.load(tmp_path)
+    assert (
+        str(e.value)
+        == f"{path}: field 'norm_weight' is missing; 04 writes it: remove it and re-run 04"
+    )
+    save_file(
+        {"embed": torch.zeros(4, 2), "norm_weight": torch.ones(2)},
+        str(path),
+        metadata={**meta, "tied": "False"},
+    )
+    with pytest.raises(
+        UserError, match=r"the record lacks tensor 'lm_head' \(metadata says the head is not tied\)"
+    ):
+        TargetHead.load(tmp_path)
+    save_file(
+        {"embed": torch.zeros(4, 2), "norm_weight": torch.ones(2)},
+        str(path),
+        metadata={"tied": "True"},
+    )
+    with pytest.raises(UserError, match="field 'norm_eps' is missing"):
+        TargetHead.load(tmp_path)
+    save_file({"embed": torch.zeros(4, 2), "norm_weight": torch.ones(2)}, str(path), metadata=meta)
+    head = TargetHead.load(tmp_path)
+    assert head.tied and head.norm_eps == 1e-6 and head.last_is_post_norm is True

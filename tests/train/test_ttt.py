@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.attention import ttt_attention_mask
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.losses.ttt import TTTTargets, compute_targets, ttt_loss
 
 TV, DV, HT = 40, 16, 24  # target vocab, draft vocab, verifier hidden

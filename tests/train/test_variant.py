@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_model import scramble
 
+from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.caches import DrafterCache
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export import formats as export_mod
 from eagle3.export.common import FC_NORM_KEYS
