@@ -238,9 +238,8 @@ def _setup(cfg: RunConfig) -> setup.Setup:
 
 
 def _read_data(cfg: RunConfig, d: Dist) -> tuple[dict, dict, dict]:
-    """02's ``data_config.json`` checked against the config (verifier, extract settings, the engine's aux layers,
-    the hidden-state source) and 03's vocab map and split, current with the shards and the config's ``data:``
-    settings (03's last validation passed). Returns ``(data_config, vocab, split)``."""
+    """``(data_config, vocab, split)``: 02's ``data_config.json`` checked against the config (verifier, extract,
+    engine aux layers, hidden-state source); 03's vocab map and split (its validation passed, current with both)."""
     data_config = read_data_config(cfg.shards_dir)
     # first: another verifier explains the rest
     unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)
@@ -375,8 +374,7 @@ def _finish(
 def _select_and_export(
     cfg: RunConfig, loop: TrainLoop, result: dict, export: Optional[Callable]
 ) -> None:
-    """Rank 0 after the final validation: the selected weights (``train.select_best``) into the drafter, the
-    simulated-acceptance curve's plot, and ``export`` into ``result["export_dir"]``."""
+    """Rank 0 at the end: the ``train.select_best`` weights into the drafter, the plot, ``export`` (its folder)."""
     sel, tracker, drafter = cfg.train.select_best, loop.tracker, loop.inputs.drafter
     summary = tracker.summary()
     best = tracker.restore_best(drafter) if sel == "sim_accept" else None
