@@ -199,13 +199,6 @@ def accepted_prefix(drafts: torch.Tensor, verifier_argmax: torch.Tensor) -> torc
     return int(a) if drafts.dim() == 1 else a
 
 
-def check_settings(max_new_tokens: int, steps: Optional[int] = None) -> None:
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if steps is not None and steps < 1:
-        raise UserError(f"steps: must be >= 1, got {steps}")
-
-
 def first_mismatch_update(logits, chosen, ref, idx, live, mm_idx, mm_gap):
     """Record each row's first position where ``chosen`` differs from ``ref`` (no host sync).
 
