@@ -32,7 +32,6 @@ from eagle3.decoding.common import (
     SpecResult,
     accepted_prefix,
     aux_states,
-    check_aux_layers,
     check_prompts,
     cut,
     device_of,
@@ -43,6 +42,7 @@ from eagle3.decoding.common import (
 )
 from eagle3.decoding.sampling import Sampler
 from eagle3.drafter.caches import DrafterCache
+from eagle3.engines.layers import check_aux_layers
 from eagle3.errors import UserError
 from eagle3.sdpa import no_cudnn_sdpa
 
@@ -154,10 +154,6 @@ def _reference_tensor(
     """Reference tokens ``[B, width]`` padded with -1 (no token there), or None."""
     if reference is None:
         return None
-    if len(reference) != B:
-        raise UserError(
-            f"reference: expected {B} token lists (one per prompt), got {len(reference)}"
-        )
     ref = torch.full((B, width), -1, dtype=torch.long)
     for r, toks in enumerate(reference):
         toks = list(toks)[:width]
@@ -203,7 +199,6 @@ def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref, sam
     device = device_of(verifier)
     ids, vmask, pos, n = _left_pad(rows, device)  # [B, P] x3, [B]
     out = _forward(verifier, ids, vmask, pos, None, hidden=True, last_only=True)
-    check_aux_layers(aux_layers, len(out.hidden_states))
     plogits = out.logits[:, -1:]  # [B, 1, V]
     # [B] x_n: the first new token, not yet in the verifier cache
     last = plogits[:, 0].argmax(-1) if sampler is None else sampler.sample(plogits[:, 0])
@@ -385,14 +380,14 @@ def speculative_generate_batch(
         check_every: rounds between host checks. sampler: temperature > 0 (no ``reference``).
 
     Raises:
-        UserError: bad ``aux_layers``/``reference``, an empty prompt or batch, a ``reference``
-            with a ``sampler``.
+        UserError: bad ``aux_layers``, an empty prompt or batch, a ``reference`` with a ``sampler``.
     """
     if sampler is not None and reference is not None:
         raise UserError(
             "reference: sampled output (temperature > 0) has no token-by-token reference"
         )
-    aux_layers = check_aux_layers(aux_layers)
+    num_layers = verifier.config.get_text_config().num_hidden_layers
+    aux_layers = check_aux_layers(aux_layers, num_layers, field="aux_layers")
     rows = check_prompts(prompts)
     device = device_of(verifier)
     eos = {int(e) for e in eos_ids}

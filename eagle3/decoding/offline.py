@@ -215,14 +215,8 @@ class _BenchTally:
         ``wall_seconds``, ``tie_tolerance``, ``mismatches`` (``{id, index, gap, near_tie}``),
         ``near_ties``, ``failures``, ``per_prompt``.
         """
-        g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = (
-            self.g_tok,
-            self.g_sec,
-            self.s_tok,
-            self.s_sec,
-            self.d_sec,
-            self.v_sec,
-        )
+        g_tok, g_sec, s_tok, s_sec = self.g_tok, self.g_sec, self.s_tok, self.s_sec
+        d_sec, v_sec = self.d_sec, self.v_sec
         stats = acceptance_stats(self.accepted, steps)
         g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
         s_tps = s_tok / s_sec if s_sec > 0 else float("nan")

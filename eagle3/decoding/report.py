@@ -245,10 +245,6 @@ def report_bytes(report: dict) -> list[bytes]:
 
 def render_server_markdown(report: dict) -> str:
     """Markdown table of a server benchmark report (``server_bench.json``)."""
-
-    def f(x, nd=2):
-        return "n/a" if x is None or x != x else f"{x:.{nd}f}"
-
     lines = [
         f"# SGLang server benchmark ({report['dataset']}, {report['num_prompts']} prompts, temperature 0, "
         f"max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})",
@@ -268,10 +264,10 @@ def render_server_markdown(report: dict) -> str:
     ]
     for s in report["servers"]:
         lines.append(
-            f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {f(s.get('tau'))} | "
-            f"{f(s.get('sglang_accept_length'))} | "
-            f"{f(s['output_tokens_per_s'], 1)} | {f(s['mean_request_tokens_per_s'], 1)} | "
-            f"{s['completion_tokens']} | {f(s['wall_seconds'], 1)} |"
+            f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {_f(s.get('tau'))} | "
+            f"{_f(s.get('sglang_accept_length'))} | "
+            f"{_f(s['output_tokens_per_s'], 1)} | {_f(s['mean_request_tokens_per_s'], 1)} | "
+            f"{s['completion_tokens']} | {_f(s['wall_seconds'], 1)} |"
         )
     spec = report["servers"][0]
     if spec.get("speculative"):
@@ -280,13 +276,13 @@ def render_server_markdown(report: dict) -> str:
             "",
             "| draft position | " + " | ".join(str(k + 1) for k in range(steps)) + " |",
             "|---|" + "---:|" * steps,
-            "| conditional | " + " | ".join(f(x) for x in spec["conditional"]) + " |",
-            "| unconditional | " + " | ".join(f(x) for x in spec["unconditional"]) + " |",
+            "| conditional | " + " | ".join(_f(x) for x in spec["conditional"]) + " |",
+            "| unconditional | " + " | ".join(_f(x) for x in spec["unconditional"]) + " |",
         ]
     if "speedup" in report:
         lines += [
             "",
-            f"speedup (server 1 vs server 2 tokens/s): **{f(report['speedup'])}x**; "
+            f"speedup (server 1 vs server 2 tokens/s): **{_f(report['speedup'])}x**; "
             f"identical outputs: {report['identical_outputs']}/{report['num_prompts']}",
         ]
     return "\n".join(lines) + "\n"
