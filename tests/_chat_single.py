@@ -27,7 +27,7 @@ def tokenize_conversation(
 
     Raises:
         TemplateNotPrefixStable: the conversation needs several samples or has no consistent
-            rendering. ValueError, UserError: as :func:`conversation_samples`.
+            rendering. UserError: as :func:`conversation_samples`.
     """
     res = conversation_samples(
         tokenizer, messages, max_length, options_or_default(opts, chat_template), too_long, tools

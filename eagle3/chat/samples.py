@@ -263,20 +263,15 @@ def conversation_samples(
             ``tool_call_id``, ``tokens`` as stage 01 writes them).
         max_length: tokens per sample (>= 1).
         opts: :class:`ChatOptions`.
-        too_long: ``"truncate"`` (first ``max_length`` tokens) or ``"skip"``.
+        too_long: ``"truncate"`` (first ``max_length`` tokens) or ``"skip"`` (``extract.too_long``).
         tools: the conversation's tool declarations.
 
     Returns:
         :class:`ConversationSamples` (samples without loss tokens dropped).
 
     Raises:
-        ValueError: bad ``too_long`` or ``max_length``.
         TemplateUnusable: a template-wide problem (fatal, unlike a per-conversation ``skip_reason``).
     """
-    if too_long not in ("truncate", "skip"):
-        raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
     opts = options_or_default(opts)
     counts: Counter = Counter()
     try:

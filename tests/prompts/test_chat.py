@@ -101,8 +101,6 @@ def test_truncate_and_skip(smollm_tokenizer):
     ) == (full_ids, full_mask)
     # truncated before any reply token: nothing to learn -> skipped
     assert tokenize_conversation(smollm_tokenizer, TWO_TURNS, max_length=18) is None
-    with pytest.raises(ValueError):
-        tokenize_conversation(smollm_tokenizer, TWO_TURNS, max_length=10, too_long="drop")
 
 
 def test_prompt_only_conversation_is_skipped(smollm_tokenizer):
