@@ -232,15 +232,14 @@ def write_reports(
     out = Path(out_dir)
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / plot_name]
     png = plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", "")))
-    atomic_write_files(list(zip(paths, report_bytes(report) + [png])))
+    md = render_markdown(report).encode("utf-8")
+    atomic_write_files(list(zip(paths, [_json_bytes(report), md, png])))
     return paths
 
 
-def report_bytes(report: dict) -> list[bytes]:
-    """``[JSON, Markdown]`` of a benchmark report as the files hold them (UTF-8; the JSON indented, one trailing
-    newline, as :func:`eagle3.io.atomic_write_json` writes it)."""
-    text = json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n"
-    return [text.encode("utf-8"), render_markdown(report).encode("utf-8")]
+def _json_bytes(report: dict) -> bytes:
+    """``report`` as :func:`eagle3.io.atomic_write_json` writes it (strict JSON, indented, one trailing newline)."""
+    return (json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def render_server_markdown(report: dict) -> str:
@@ -294,10 +293,7 @@ def write_server_reports(out: Path, report: dict, url: str) -> None:
     is removed when this one has none (a server without EAGLE-3 statistics)."""
     spec = report["servers"][0]
     files = [
-        (
-            out / "server_bench.json",
-            (json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n").encode(),
-        ),
+        (out / "server_bench.json", _json_bytes(report)),
         (out / "server_bench.md", render_server_markdown(report).encode("utf-8")),
     ]
     png = out / "server_acceptance.png"
