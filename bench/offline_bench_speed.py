@@ -65,6 +65,7 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
     or a wider MLP costs draft time (lease 2026-12-04e: a second layer took the drafter's share of a batch-80 step from
     0.15 to 0.21)."""
     from eagle3.drafter.args import DrafterArgs
+    from eagle3.drafter.mla import mla_drafter_fields
     from eagle3.drafter.model import Eagle3Drafter
 
     cfg = (
@@ -72,16 +73,20 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
         if hasattr(verifier.config, "get_text_config")
         else verifier.config
     )
-    # every drafter.* field that is set (variant and num_layers always are); null ones come from the verifier
+    # every drafter.* field that is set (variant and num_layers always are); null ones come from the verifier; an
+    # MLA layer's sizes as 04 resolves them (eagle3.drafter.mla)
     over = (
         {}
         if drafter_cfg is None
         else {
             f: getattr(drafter_cfg, f)
             for f in type(drafter_cfg).model_fields
-            if getattr(drafter_cfg, f) is not None
+            if getattr(drafter_cfg, f) is not None and f != "mla"
         }
     )
+    if over.get("attention") == "mla":
+        heads = over.get("num_attention_heads") or cfg.num_attention_heads
+        over.update(mla_drafter_fields(drafter_cfg.mla.model_dump(), heads, cfg))
     args = DrafterArgs.from_hf_config(cfg, draft_vocab_size=min(32000, int(cfg.vocab_size)), **over)
     torch.manual_seed(0)
     d = Eagle3Drafter(args, verifier.get_input_embeddings().weight.detach().float().cpu())

@@ -58,11 +58,6 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def _architecture(model) -> str:
-    archs = getattr(model.config, "architectures", None)
-    return archs[0] if archs else type(model).__name__
-
-
 class HFCapture:
     """Capture backend over an in-process transformers model.
 
@@ -97,11 +92,12 @@ class HFCapture:
 
     def info(self) -> BackendInfo:
         """Verifier dims and the last-hidden-state convention (runs the probe forward once)."""
+        archs = getattr(self.model.config, "architectures", None)
         return {
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
-            "architecture": _architecture(self.model),
+            "architecture": archs[0] if archs else type(self.model).__name__,
             "last_hidden_state": self.last_hidden_state(),
         }
 

@@ -8,7 +8,6 @@ their shard is durable, so the folder equals the serial loop's. Test hook:
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from types import SimpleNamespace
@@ -56,12 +55,9 @@ def start_capture(
     takes (:class:`eagle3.shards.write.StoredStates` when the backend encodes on its device, else
     the 4 bf16 tensors).
     """
-    start = getattr(backend, "capture_async", None)
+    start = getattr(backend, "capture_async", None)  # HFCapture: encodes on its device
     if callable(start):
-        if "storage" in inspect.signature(start).parameters:
-            handle = start(batch, storage=storage or Storage())
-            return SimpleNamespace(states=handle.stored)
-        return SimpleNamespace(states=start(batch).result)
+        return SimpleNamespace(states=start(batch, storage=storage or Storage()).stored)
     states = backend.capture(batch)
     return SimpleNamespace(states=lambda: states)
 

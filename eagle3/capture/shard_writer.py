@@ -155,18 +155,11 @@ class ShardWriter:
             "num_tokens": len(input_ids),
             "num_loss_tokens": sum(loss_mask),
         }
+        args = (self.root, idx, self.rows_per_dir, input_ids, states, loss_mask)
+        args += (self.storage, self.checksum)
         if self._pool is None:
             try:
-                digest = _write_one(
-                    self.root,
-                    idx,
-                    self.rows_per_dir,
-                    input_ids,
-                    states,
-                    loss_mask,
-                    self.storage,
-                    self.checksum,
-                )
+                digest = _write_one(*args)
             except NonFiniteStates as e:
                 raise e.explained(sample_id=meta["id"]) from None
             self._append([(meta, digest)])
@@ -182,17 +175,7 @@ class ShardWriter:
             return
         L = len(input_ids)
         self._make_room(L)
-        fut = self._pool.submit(
-            _write_one,
-            self.root,
-            idx,
-            self.rows_per_dir,
-            input_ids,
-            states,
-            loss_mask,
-            self.storage,
-            self.checksum,
-        )
+        fut = self._pool.submit(_write_one, *args)
         self._pending.append((meta, fut))
         self._pending_tokens += L
 

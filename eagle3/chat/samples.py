@@ -28,7 +28,6 @@ from typing import Any, Mapping, Optional
 from eagle3.chat.template import (
     ChatOptions,
     TemplateInfo,
-    TemplateNotPrefixStable,
     TemplateUnusable,
     check_template,
     end_of_turn_ids,
@@ -264,20 +263,15 @@ def conversation_samples(
             ``tool_call_id``, ``tokens`` as stage 01 writes them).
         max_length: tokens per sample (>= 1).
         opts: :class:`ChatOptions`.
-        too_long: ``"truncate"`` (first ``max_length`` tokens) or ``"skip"``.
+        too_long: ``"truncate"`` (first ``max_length`` tokens) or ``"skip"`` (``extract.too_long``).
         tools: the conversation's tool declarations.
 
     Returns:
         :class:`ConversationSamples` (samples without loss tokens dropped).
 
     Raises:
-        ValueError: bad ``too_long`` or ``max_length``.
         TemplateUnusable: a template-wide problem (fatal, unlike a per-conversation ``skip_reason``).
     """
-    if too_long not in ("truncate", "skip"):
-        raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
     opts = options_or_default(opts)
     counts: Counter = Counter()
     try:
@@ -322,37 +316,3 @@ def _samples(
         counts["split_conversations"] += 1
         counts["split_samples"] += len(samples)
     return samples
-
-
-def tokenize_conversation(
-    tokenizer,
-    messages: list[dict],
-    max_length: int,
-    chat_template: Optional[str] = None,
-    too_long: str = "truncate",
-    *,
-    opts: Optional[ChatOptions] = None,
-    tools: Optional[list] = None,
-) -> Optional[tuple[list[int], list[int]]]:
-    """Single-sample view of :func:`conversation_samples`: ``(input_ids, loss_mask)`` or None.
-
-    Raises:
-        TemplateNotPrefixStable: the conversation needs several samples or has no consistent
-            rendering. ValueError, UserError: as :func:`conversation_samples`.
-    """
-    res = conversation_samples(
-        tokenizer, messages, max_length, options_or_default(opts, chat_template), too_long, tools
-    )
-    if res.skip_reason is not None:
-        raise TemplateNotPrefixStable(
-            f"verifier.chat_template: the template is not prefix-stable for this "
-            f"conversation and it has no consistent rendering ({res.skip_reason})"
-        )
-    if res.counts["split_conversations"]:
-        raise TemplateNotPrefixStable(
-            "verifier.chat_template: the template is not prefix-stable for this conversation (its history changes "
-            f"as turns are added): it gives {res.counts['split_samples']} samples, one per served context"
-        )
-    if not res.samples:
-        return None
-    return res.samples[0].input_ids, res.samples[0].loss_mask

@@ -21,10 +21,6 @@ log = logging.getLogger(__name__)
 DEFAULT_THINK_TAGS = ("<think>", "</think>")
 
 
-class TemplateNotPrefixStable(UserError):
-    """The conversation does not fit in one sample (or has no consistent rendering at all)."""
-
-
 class TemplateUnusable(UserError):
     """A problem of the template itself (not of one conversation): fatal for the run."""
 

@@ -160,24 +160,6 @@ def emitted_lengths(accepted: Sequence[int], num_tokens: int) -> list[int]:
     return out
 
 
-def check_aux_layers(aux_layers: Sequence[int], n_hidden: Optional[int] = None) -> list[int]:
-    """``aux_layers`` as ints; with ``n_hidden`` (``len(hidden_states)``: layers + 1) also in range.
-
-    Raises:
-        UserError: not exactly 3 indices, or one outside ``1..n_hidden - 2``.
-    """
-    aux_layers = [int(i) for i in aux_layers]
-    if len(aux_layers) != 3:
-        raise UserError(
-            f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {aux_layers}"
-        )
-    if n_hidden is not None and (max(aux_layers) >= n_hidden - 1 or min(aux_layers) < 1):
-        raise UserError(
-            f"aux_layers: {aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
-        )
-    return aux_layers
-
-
 def aux_states(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int]) -> torch.Tensor:
     """``cat(hidden_states[i] for i in aux_layers)`` -> ``[B, T, 3Ht]`` (HF index convention)."""
     return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)  # [B, T, 3Ht]
@@ -197,13 +179,6 @@ def accepted_prefix(drafts: torch.Tensor, verifier_argmax: torch.Tensor) -> torc
     match = (drafts == verifier_argmax[..., :k]).long()  # [(B,) k]
     a = match.cumprod(-1).sum(-1)
     return int(a) if drafts.dim() == 1 else a
-
-
-def check_settings(max_new_tokens: int, steps: Optional[int] = None) -> None:
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if steps is not None and steps < 1:
-        raise UserError(f"steps: must be >= 1, got {steps}")
 
 
 def first_mismatch_update(logits, chosen, ref, idx, live, mm_idx, mm_gap):

@@ -32,9 +32,7 @@ from eagle3.decoding.common import (
     SpecResult,
     accepted_prefix,
     aux_states,
-    check_aux_layers,
     check_prompts,
-    check_settings,
     cut,
     device_of,
     emitted_lengths,
@@ -44,6 +42,7 @@ from eagle3.decoding.common import (
 )
 from eagle3.decoding.sampling import Sampler
 from eagle3.drafter.caches import DrafterCache
+from eagle3.engines.layers import check_aux_layers
 from eagle3.errors import UserError
 from eagle3.sdpa import no_cudnn_sdpa
 
@@ -115,9 +114,8 @@ def greedy_generate_batch(
         :class:`BatchGreedy`.
 
     Raises:
-        UserError: an empty prompt or batch, ``max_new_tokens < 1``.
+        UserError: an empty prompt or batch.
     """
-    check_settings(max_new_tokens)
     rows = check_prompts(prompts)
     device = device_of(verifier)
     eos = {int(e) for e in eos_ids}
@@ -150,46 +148,12 @@ def greedy_generate_batch(
     return BatchGreedy([cut(r, eos, max_new_tokens) for r in all_tok.tolist()], seconds, forwards)
 
 
-def _one_prompt(input_ids) -> list[int]:
-    """One prompt as ``list[int]`` from ``[n]`` or ``[1, n]`` ids (list or LongTensor).
-
-    Raises:
-        UserError: a batch of several prompts, or an empty prompt.
-    """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise UserError(
-                f"input_ids: expected one prompt ([n] or [1, n]), got shape {list(ids.shape)}"
-            )
-        ids = ids[0]  # [n]
-    if ids.numel() == 0:
-        raise UserError("input_ids: the prompt is empty")
-    return ids.tolist()
-
-
-def greedy_generate(
-    verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_ids: Sequence[int] = ()
-) -> tuple[list[int], float]:
-    """One prompt through :func:`greedy_generate_batch`: ``(tokens, seconds)``.
-
-    Raises:
-        UserError: empty prompt, ``max_new_tokens < 1``.
-    """
-    res = greedy_generate_batch(verifier, [_one_prompt(input_ids)], max_new_tokens, eos_ids)
-    return res.tokens[0], res.seconds
-
-
 def _reference_tensor(
     reference: Optional[Sequence[Sequence[int]]], B: int, width: int, device
 ) -> Optional[torch.Tensor]:
     """Reference tokens ``[B, width]`` padded with -1 (no token there), or None."""
     if reference is None:
         return None
-    if len(reference) != B:
-        raise UserError(
-            f"reference: expected {B} token lists (one per prompt), got {len(reference)}"
-        )
     ref = torch.full((B, width), -1, dtype=torch.long)
     for r, toks in enumerate(reference):
         toks = list(toks)[:width]
@@ -235,7 +199,6 @@ def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref, sam
     device = device_of(verifier)
     ids, vmask, pos, n = _left_pad(rows, device)  # [B, P] x3, [B]
     out = _forward(verifier, ids, vmask, pos, None, hidden=True, last_only=True)
-    check_aux_layers(aux_layers, len(out.hidden_states))
     plogits = out.logits[:, -1:]  # [B, 1, V]
     # [B] x_n: the first new token, not yet in the verifier cache
     last = plogits[:, 0].argmax(-1) if sampler is None else sampler.sample(plogits[:, 0])
@@ -417,15 +380,14 @@ def speculative_generate_batch(
         check_every: rounds between host checks. sampler: temperature > 0 (no ``reference``).
 
     Raises:
-        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``/``reference``, an empty prompt
-            or batch, a ``reference`` with a ``sampler``.
+        UserError: bad ``aux_layers``, an empty prompt or batch, a ``reference`` with a ``sampler``.
     """
     if sampler is not None and reference is not None:
         raise UserError(
             "reference: sampled output (temperature > 0) has no token-by-token reference"
         )
-    check_settings(max_new_tokens, steps)
-    aux_layers = check_aux_layers(aux_layers)
+    num_layers = verifier.config.get_text_config().num_hidden_layers
+    aux_layers = check_aux_layers(aux_layers, num_layers, field="aux_layers")
     rows = check_prompts(prompts)
     device = device_of(verifier)
     eos = {int(e) for e in eos_ids}
@@ -442,29 +404,3 @@ def speculative_generate_batch(
     seconds = time.perf_counter() - t_start
     results = _spec_rows(host, steps, eos, max_new_tokens, ref is not None)
     return BatchSpec(results, seconds, timer.seconds("draft"), timer.seconds("verify"), rounds)
-
-
-def speculative_generate(
-    verifier: torch.nn.Module,
-    drafter: torch.nn.Module,
-    input_ids,
-    aux_layers: Sequence[int],
-    steps: int = 3,
-    max_new_tokens: int = 256,
-    eos_ids: Sequence[int] = (),
-) -> SpecResult:
-    """One prompt through :func:`speculative_generate_batch`; the batch timings are copied into the result.
-
-    Raises:
-        UserError: see :func:`speculative_generate_batch`; a batched ``input_ids``.
-    """
-    res = speculative_generate_batch(
-        verifier, drafter, [_one_prompt(input_ids)], aux_layers, steps, max_new_tokens, eos_ids
-    )
-    row = res.rows[0]
-    row.seconds, row.draft_seconds, row.verify_seconds = (
-        res.seconds,
-        res.draft_seconds,
-        res.verify_seconds,
-    )
-    return row

@@ -115,7 +115,6 @@ def speedup_warning(
     speedup: Optional[float],
     tau: Optional[float],
     baseline: str = "greedy decoding",
-    slack: float = SPEEDUP_SLACK,
 ) -> Optional[str]:
     """One warning line when a measured speedup exceeds what the acceptance length allows (None otherwise).
 
@@ -124,7 +123,7 @@ def speedup_warning(
     drafter forwards; greedy spends one forward per token. So ``speedup = t_greedy / t_spec <= tau * c(1) / (c(k+1)
     + k c_draft) <= tau``: the walltime improvement factor of Leviathan et al. 2023 (arXiv 2211.17192, section 3),
     ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``, where ``(1 - a^(k+1)) / (1 - a)`` is the expected tokens per step (tau)
-    and ``k c + 1 >= 1`` a step's cost in one-token verifier forwards. A measured ratio above ``tau x (1 + slack)``
+    and ``k c + 1 >= 1`` a step's cost in one-token verifier forwards. A measured ratio above ``tau x (1 + SPEEDUP_SLACK)``
     (e.g. 1.4x at tau 1.02: the drafter saved nothing) means the baseline was slowed (CPU contention, another
     process, clocks) or, for two servers, ran on other hardware; it is not the drafter's speedup.
 
@@ -133,19 +132,13 @@ def speedup_warning(
         speedup: tokens/s with the drafter / tokens/s of the baseline (NaN / None: nothing said).
         tau: the acceptance length measured in the same run (NaN / None / <= 0: nothing said).
         baseline: what the speedup is measured against, for the line.
-        slack: the relative tolerance (default :data:`SPEEDUP_SLACK`).
 
     Returns:
-        the line, or None when ``speedup <= tau * (1 + slack)`` or a value is missing.
+        the line, or None when ``speedup <= tau * (1 + SPEEDUP_SLACK)`` or a value is missing.
     """
-    if (
-        speedup is None
-        or tau is None
-        or not (math.isfinite(speedup) and math.isfinite(tau))
-        or tau <= 0
-    ):
+    if speedup is None or tau is None or not (math.isfinite(speedup) and math.isfinite(tau)):
         return None
-    if speedup <= tau * (1 + slack):
+    if tau <= 0 or speedup <= tau * (1 + SPEEDUP_SLACK):
         return None
     return (
         f"{label}: speedup {speedup:.2f}x is above tau {tau:.2f}, which chain speculative decoding cannot "

@@ -43,7 +43,7 @@ def bench_prompts(
         verifier, drafter: see :func:`eagle3.decoding.decode.speculative_generate_batch`.
         prompts_ids: ``(id, prompt ids)`` pairs.
         aux_layers, steps, max_new_tokens, eos_ids: decoding settings.
-        label, batch_size: dataset label; prompts decoded together (>= 1).
+        label, batch_size: dataset label; prompts decoded together.
         tie_tolerance: largest logit gap counted as a near-tie.
         decoder: ``batched`` | ``static`` | ``auto`` (:func:`resolve_decoder`).
         temperature, top_p: 0 = greedy; > 0 = sampling with a freshly seeded sampler.
@@ -52,10 +52,8 @@ def bench_prompts(
         the set's ``bench.json`` row plus ``decoder`` and ``warm_up_seconds``.
 
     Raises:
-        UserError: ``batch_size < 1``, a bad ``decoder``, ``static`` at temperature > 0.
+        UserError: ``static`` at temperature > 0 or at a batch size other than 1.
     """
-    if batch_size < 1:
-        raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
     sampler = make_sampler(temperature, top_p)
     mode = _decoder_mode(decoder, batch_size, next(verifier.parameters()).device, sampler)
     effective = effective_batch_size(batch_size, len(prompts_ids))
@@ -217,14 +215,8 @@ class _BenchTally:
         ``wall_seconds``, ``tie_tolerance``, ``mismatches`` (``{id, index, gap, near_tie}``),
         ``near_ties``, ``failures``, ``per_prompt``.
         """
-        g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = (
-            self.g_tok,
-            self.g_sec,
-            self.s_tok,
-            self.s_sec,
-            self.d_sec,
-            self.v_sec,
-        )
+        g_tok, g_sec, s_tok, s_sec = self.g_tok, self.g_sec, self.s_tok, self.s_sec
+        d_sec, v_sec = self.d_sec, self.v_sec
         stats = acceptance_stats(self.accepted, steps)
         g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
         s_tps = s_tok / s_sec if s_sec > 0 else float("nan")

@@ -232,23 +232,18 @@ def write_reports(
     out = Path(out_dir)
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / plot_name]
     png = plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", "")))
-    atomic_write_files(list(zip(paths, report_bytes(report) + [png])))
+    md = render_markdown(report).encode("utf-8")
+    atomic_write_files(list(zip(paths, [_json_bytes(report), md, png])))
     return paths
 
 
-def report_bytes(report: dict) -> list[bytes]:
-    """``[JSON, Markdown]`` of a benchmark report as the files hold them (UTF-8; the JSON indented, one trailing
-    newline, as :func:`eagle3.io.atomic_write_json` writes it)."""
-    text = json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n"
-    return [text.encode("utf-8"), render_markdown(report).encode("utf-8")]
+def _json_bytes(report: dict) -> bytes:
+    """``report`` as :func:`eagle3.io.atomic_write_json` writes it (strict JSON, indented, one trailing newline)."""
+    return (json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def render_server_markdown(report: dict) -> str:
     """Markdown table of a server benchmark report (``server_bench.json``)."""
-
-    def f(x, nd=2):
-        return "n/a" if x is None or x != x else f"{x:.{nd}f}"
-
     lines = [
         f"# SGLang server benchmark ({report['dataset']}, {report['num_prompts']} prompts, temperature 0, "
         f"max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})",
@@ -268,10 +263,10 @@ def render_server_markdown(report: dict) -> str:
     ]
     for s in report["servers"]:
         lines.append(
-            f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {f(s.get('tau'))} | "
-            f"{f(s.get('sglang_accept_length'))} | "
-            f"{f(s['output_tokens_per_s'], 1)} | {f(s['mean_request_tokens_per_s'], 1)} | "
-            f"{s['completion_tokens']} | {f(s['wall_seconds'], 1)} |"
+            f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {_f(s.get('tau'))} | "
+            f"{_f(s.get('sglang_accept_length'))} | "
+            f"{_f(s['output_tokens_per_s'], 1)} | {_f(s['mean_request_tokens_per_s'], 1)} | "
+            f"{s['completion_tokens']} | {_f(s['wall_seconds'], 1)} |"
         )
     spec = report["servers"][0]
     if spec.get("speculative"):
@@ -280,13 +275,13 @@ def render_server_markdown(report: dict) -> str:
             "",
             "| draft position | " + " | ".join(str(k + 1) for k in range(steps)) + " |",
             "|---|" + "---:|" * steps,
-            "| conditional | " + " | ".join(f(x) for x in spec["conditional"]) + " |",
-            "| unconditional | " + " | ".join(f(x) for x in spec["unconditional"]) + " |",
+            "| conditional | " + " | ".join(_f(x) for x in spec["conditional"]) + " |",
+            "| unconditional | " + " | ".join(_f(x) for x in spec["unconditional"]) + " |",
         ]
     if "speedup" in report:
         lines += [
             "",
-            f"speedup (server 1 vs server 2 tokens/s): **{f(report['speedup'])}x**; "
+            f"speedup (server 1 vs server 2 tokens/s): **{_f(report['speedup'])}x**; "
             f"identical outputs: {report['identical_outputs']}/{report['num_prompts']}",
         ]
     return "\n".join(lines) + "\n"
@@ -298,10 +293,7 @@ def write_server_reports(out: Path, report: dict, url: str) -> None:
     is removed when this one has none (a server without EAGLE-3 statistics)."""
     spec = report["servers"][0]
     files = [
-        (
-            out / "server_bench.json",
-            (json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n").encode(),
-        ),
+        (out / "server_bench.json", _json_bytes(report)),
         (out / "server_bench.md", render_server_markdown(report).encode("utf-8")),
     ]
     png = out / "server_acceptance.png"

@@ -147,8 +147,6 @@ def bench_server(
     Raises:
         UserError: the server cannot be reached or answers malformed responses.
     """
-    if concurrency < 1:
-        raise UserError(f"--concurrency: must be >= 1, got {concurrency}")
     info = server_info(url)
     generate(url, prompts_ids[0][1], min(8, max_new_tokens), timeout)  # warm-up
     results, wall = _send_all(

@@ -27,9 +27,7 @@ from eagle3.decoding.common import (
     SpecResult,
     accepted_prefix,
     aux_states,
-    check_aux_layers,
     check_prompts,
-    check_settings,
     cut,
     emitted_lengths,
     first_mismatch_update,
@@ -38,6 +36,7 @@ from eagle3.decoding.common import (
 )
 from eagle3.drafter.attention import _sdpa
 from eagle3.drafter.caches import StaticKVCache
+from eagle3.engines.layers import check_aux_layers
 from eagle3.errors import UserError
 from eagle3.regen.slot_attention import AttentionSwap
 from eagle3.sdpa import no_cudnn_sdpa
@@ -45,17 +44,14 @@ from eagle3.sdpa import no_cudnn_sdpa
 log = logging.getLogger(__name__)
 
 ATTN_NAME = "eagle3_static"
-DECODERS = ("auto", "batched", "static")  # benchmark.decoder
 
 
 def resolve_decoder(decoder: str, batch_size: int, device: torch.device) -> str:
     """``batched`` or ``static`` for ``benchmark.decoder`` (``auto``: static at batch 1 on CUDA).
 
     Raises:
-        UserError: an unknown name, or ``static`` at a batch size other than 1.
+        UserError: ``static`` at a batch size other than 1.
     """
-    if decoder not in DECODERS:
-        raise UserError(f"benchmark.decoder: one of {', '.join(DECODERS)}, not {decoder!r}")
     if decoder == "auto":
         return "static" if batch_size == 1 and device.type == "cuda" else "batched"
     if decoder == "static" and batch_size != 1:
@@ -107,7 +103,7 @@ class StaticDecoder:
         cuda_graphs: capture on CUDA. check_every: steps / rounds between host checks.
 
     Raises:
-        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``.
+        UserError: bad ``aux_layers``.
     """
 
     def __init__(
@@ -122,19 +118,14 @@ class StaticDecoder:
         cuda_graphs: bool = True,
         check_every: int = 4,
     ):
-        check_settings(max_new_tokens, steps)
+        cfg = verifier.config.get_text_config()
         if drafter is not None:
-            check_aux_layers(aux_layers)
+            check_aux_layers(aux_layers, cfg.num_hidden_layers, field="aux_layers")
         self.verifier, self.drafter, self.k, self.max_new = verifier, drafter, steps, max_new_tokens
         self.aux_layers, self.check_every = [int(i) for i in aux_layers], check_every
         self.dev = next(verifier.parameters()).device
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
         self.capacity = int(capacity)
-        cfg = (
-            verifier.config.get_text_config()
-            if hasattr(verifier.config, "get_text_config")
-            else verifier.config
-        )
         self.kv = StaticKVCache(self.capacity, cfg.num_hidden_layers, self.dev)
         self.dkv = StaticKVCache(
             self.capacity, getattr(getattr(drafter, "args", None), "num_layers", 1), self.dev
@@ -396,16 +387,10 @@ class StaticDecoder:
 
     def _spec_prefill(self, row: list[int], reference: Optional[Sequence[int]], timer) -> None:
         """The prompt's forward: the first token, its mismatch record, and the drafter's step 0 over the prompt
-        (``h_prev`` at its last position; drafter time in ``timer``'s ``draft``).
-
-        Raises:
-            UserError: ``aux_layers`` outside the verifier's layers.
-        """
+        (``h_prev`` at its last position; drafter time in ``timer``'s ``draft``)."""
         d = self.drafter
         ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
         out = self._vforward(ids, pos, hidden=True, last_only=True)
-        n_hidden = len(out.hidden_states)
-        check_aux_layers(self.aux_layers, n_hidden)
         plogits = out.logits[:, -1:]  # [1, 1, V]
         first = plogits[:, 0].argmax(-1)  # [1]
         self._reset(first, len(row), reference)
@@ -453,7 +438,7 @@ class StaticDecoder:
         """EAGLE-3 chain decoding of one prompt; result as :func:`speculative_generate_batch`'s.
 
         Raises:
-            UserError: an empty prompt, no drafter, ``aux_layers`` outside the verifier.
+            UserError: an empty prompt, no drafter.
             ValueError: the prompt does not fit :attr:`capacity`.
         """
         if self.drafter is None:

@@ -119,8 +119,6 @@ class EndpointPool:
                 raise UserError(f"{what}: '{u}' is not an http(s)://host[:port] URL")
         if len(set(clean)) != len(clean):
             raise UserError(f"{what}: duplicate URL in {clean}")
-        if per_endpoint < 1 or dead_after < 1:
-            raise ValueError("per_endpoint and dead_after must be >= 1")
         self.endpoints = [Endpoint(u) for u in clean]
         self.per_endpoint = per_endpoint
         self.dead_after = dead_after

@@ -20,9 +20,9 @@ class HFContinuousEngine(Engine):
     Args:
         model: HF causal LM (attention switched to ``paged|<impl>`` until :meth:`close`).
         slots: ``max_requests_per_batch``. max_new_tokens, stop_ids: answer budget and stop set.
-        max_len: longest prompt + answer, sizing the paged cache (None: transformers' sizing).
+        max_len: longest prompt + answer, sizing the paged cache in transformers' default 256-token
+            blocks as the slot engine's (None: transformers' sizing).
         use_cuda_graph: transformers' switch (None: its choice).
-        max_memory_percent: share of free memory for the paged cache (None: 0.9).
     """
 
     def __init__(
@@ -33,7 +33,6 @@ class HFContinuousEngine(Engine):
         stop_ids: set[int],
         max_len: Optional[int] = None,
         use_cuda_graph: Optional[bool] = None,
-        max_memory_percent: Optional[float] = None,
     ):
         self.stop_ids, self.max_new = set(stop_ids), max_new_tokens
         pad = model.config.get_text_config().pad_token_id
@@ -44,14 +43,10 @@ class HFContinuousEngine(Engine):
             eos_token_id=sorted(stop_ids),
             pad_token_id=pad if pad is not None else sorted(stop_ids)[0],
         )
-        # a cache of slots x max_len tokens in transformers' default 256-token blocks (as the slot engine's), else
-        # its own sizing (``max_memory_percent`` of free memory)
-        blocks = -(-slots * max_len // 256) if max_len and max_memory_percent is None else None
         cb = ContinuousBatchingConfig(
             max_requests_per_batch=slots,
             use_cuda_graph=use_cuda_graph,
-            max_memory_percent=max_memory_percent,
-            num_blocks=blocks,
+            num_blocks=-(-slots * max_len // 256) if max_len else None,
         )
         self.mgr = model.init_continuous_batching(
             generation_config=gcfg, continuous_batching_config=cb

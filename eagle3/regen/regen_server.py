@@ -136,7 +136,8 @@ def _make_job(
 ) -> "_ServerJob":
     """The :class:`_ServerJob` answering conversations ``todo`` with ``pc``'s protocol, retry policy and timeout."""
     sc = pc.server
-    proto = _protocol(tokenizer, pc, opts)
+    # the request builder / response checker of ``prompts.regenerate_via``
+    proto = {"sglang": SGLangGenerate, "openai": OpenAIChat}[pc.regenerate_via](tokenizer, pc, opts)
     policy = RetryPolicy(sc.max_attempts, sc.backoff_s, sc.backoff_max_s)
     return _ServerJob(
         conversations,
@@ -181,15 +182,6 @@ def _start_stats(
             f"resuming: {resumed} of {len(conversations)} conversations already regenerated ({journal.path})"
         )
     return st
-
-
-def _protocol(tokenizer, pc, opts: ChatOptions):
-    """The request builder / response checker of ``prompts.regenerate_via``."""
-    if pc.regenerate_via == "sglang":
-        return SGLangGenerate(tokenizer, pc, opts)
-    if pc.regenerate_via == "openai":
-        return OpenAIChat(tokenizer, pc, opts)
-    raise ValueError(f"regenerate_via_server: unsupported regenerate_via {pc.regenerate_via!r}")
 
 
 def _endpoint_pool(sc) -> EndpointPool:

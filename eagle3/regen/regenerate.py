@@ -35,7 +35,7 @@ from eagle3.chat.template import (
     user_turns,
 )
 from eagle3.process_group import rank_tag
-from eagle3.regen.engine_choice import ENGINES, make_engine
+from eagle3.regen.engine_choice import make_engine
 from eagle3.regen.resume_log import ResumeLog
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.verifier.load import (
@@ -415,9 +415,7 @@ def regenerate(
 
     Raises:
         UserError: a ``journal`` of other settings or conversations.
-        ValueError: ``batch_size`` or ``max_new_tokens`` < 1, an unknown schedule or engine.
     """
-    _check_arguments(batch_size, max_new_tokens, schedule, engine)
     opts = opts if opts is not None else ChatOptions(chat_template=chat_template)
     run = _Run(tokenizer, conversations, opts, max_context, journal)
     t0 = time.perf_counter()
@@ -470,16 +468,6 @@ def _decode(
         )
         stack.callback(eng.close)
         _decode_continuous(run, eng, bar)
-
-
-def _check_arguments(batch_size: int, max_new_tokens: int, schedule: str, engine: str) -> None:
-    """ValueError for :func:`regenerate`'s bad arguments."""
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be >= 1")
-    if schedule not in ("pool", "rounds"):
-        raise ValueError(f"schedule: 'pool' or 'rounds', not {schedule!r}")
-    if engine not in ENGINES:
-        raise ValueError(f"engine: one of {ENGINES}, not {engine!r}")
 
 
 def _start(run: "_Run", stack: contextlib.ExitStack, journal: Optional[ResumeLog]):

@@ -43,7 +43,7 @@ from eagle3.regen.packed_prefill import (
     compiled_packed_flex,
     eager_packed_flex,
 )
-from eagle3.regen.slot_attention import ATTENTIONS, AttentionSwap, flex_decode
+from eagle3.regen.slot_attention import AttentionSwap, flex_decode
 from eagle3.regen.slot_decode import SlotDecode
 from eagle3.regen.slot_policy import (
     PACK_EAGER_TOKENS,
@@ -145,9 +145,7 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         prefill_graphs: bool = False,
         prefill_pack: bool = False,
     ):
-        self._init_options(
-            model, slots, max_len, max_new_tokens, check_every, attention, flex_block
-        )
+        self._init_options(model, slots, max_len, max_new_tokens, check_every)
         self.prefill_tokens = prefill_tokens
         self.prefix_reuse, self.reuse_min_tokens = bool(prefix_reuse), max(1, int(reuse_min_tokens))
         if not 0 < refill_free <= 1:
@@ -183,8 +181,6 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         max_len: int,
         max_new_tokens: int,
         check_every: int,
-        attention: str,
-        flex_block: int,
     ) -> None:
         """Checked sizes (ValueError naming the argument) and the engine's fixed sizes."""
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
@@ -192,10 +188,6 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
                 "SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens"
             )
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
-        if attention not in ATTENTIONS:
-            raise ValueError(f"SlotEngine: attention one of {ATTENTIONS}, not {attention!r}")
-        if flex_block < 1:
-            raise ValueError("SlotEngine: flex_block >= 1")
         self.check_every = check_every
 
     def _init_attention(

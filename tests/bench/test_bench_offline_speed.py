@@ -400,7 +400,9 @@ def test_offline_bench_speed_reports_the_checks_05_makes(tmp_path, tiny_llama_di
     )
     shards = tmp_path / "shards"
     shards.mkdir()
-    (shards / "data_config.json").write_text(json.dumps({"aux_layers": [1, 3, 4]}))
+    (shards / "data_config.json").write_text(
+        json.dumps({"verifier": "tiny", "aux_layers": [1, 3, 4]})
+    )
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
         f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"

@@ -56,9 +56,9 @@ def test_bench_prompts_oracle_drafter_tau_counts_only_emitted_tokens():
     """Issue 11 item 2 end to end: a drafter proposing the verifier's own greedy tokens, 3 steps,
     max_new_tokens 10: each prompt's 3 verify steps emit 4 + 4 + 1 tokens (tau 3.0, not 4.0)."""
     from oracle_drafter import OracleDrafter
+    from single_prompt import greedy_generate
     from test_decode import make_verifier
 
-    from eagle3.decoding.decode import greedy_generate
     from eagle3.decoding.offline import bench_prompts
 
     v = make_verifier()

@@ -120,12 +120,17 @@ def test_processed_probs_temperature_and_top_p():
     ]  # the top-1 always stays
 
 
-def test_sampler_refuses_bad_settings():
-    with pytest.raises(UserError, match="benchmark.temperature"):
-        Sampler(0.0)
-    with pytest.raises(UserError, match="benchmark.top_p"):
-        Sampler(1.0, top_p=0.0)
+def test_sampler_settings_and_their_config_bounds():
+    from pydantic import ValidationError
+
+    from eagle3.config.benchmark import BenchmarkConfig
+
     assert sampling.make_sampler(0.0) is None
+    s = sampling.make_sampler(0.7, 0.9, seed=3)
+    assert (s.temperature, s.top_p, s.seed) == (0.7, 0.9, 3)
+    for bad in ({"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            BenchmarkConfig(**bad)
 
 
 def test_expected_tau_hand_computed():

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from single_prompt import greedy_generate, speculative_generate
 from test_decode import (
     AUX,
     PROMPTS,
@@ -17,7 +18,6 @@ from test_decode import (
     make_verifier,
 )
 
-from eagle3.decoding.decode import greedy_generate, speculative_generate
 from eagle3.decoding.static_decode import StaticDecoder, capacity_for, resolve_decoder
 from eagle3.drafter.caches import StaticKVCache
 from eagle3.errors import UserError
@@ -239,8 +239,6 @@ def test_errors(verifier):
         and resolve_decoder("auto", 1, torch.device("cuda")) == "static"
     )
     assert resolve_decoder("auto", 8, torch.device("cuda")) == "batched"
-    with pytest.raises(UserError, match="benchmark.decoder"):
-        resolve_decoder("graphs", 1, cpu)
     with pytest.raises(UserError, match="one prompt at a time"):
         resolve_decoder("static", 4, cpu)
     with StaticDecoder(verifier, 40, 20) as dec:

@@ -116,9 +116,8 @@ def _snapshot(root: Path) -> dict:
 
 
 def test_end_to_end_shards_match_verifier(tmp_path, tiny_llama_dir, smollm_tokenizer):
+    from _chat_single import tokenize_conversation
     from transformers import AutoModelForCausalLM
-
-    from eagle3.chat.samples import tokenize_conversation
 
     cfg = load_config(_config(tmp_path, tiny_llama_dir))
     summary = run(cfg)
@@ -306,7 +305,7 @@ def test_unknown_shards_refused(tmp_path, tiny_llama_dir):
 
 
 def test_too_long_policies(tmp_path, tiny_llama_dir, smollm_tokenizer, tiny_backend):
-    from eagle3.chat.samples import tokenize_conversation
+    from _chat_single import tokenize_conversation
 
     lengths = {
         pid: len(

@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from _chat_single import TemplateNotPrefixStable, tokenize_conversation
 from kimi_tokenizer import KimiStyleTokenizer
 
-from eagle3.chat.samples import conversation_samples, tokenize_conversation
+from eagle3.chat.samples import conversation_samples
 from eagle3.chat.template import (
     ChatOptions,
     TemplateIgnoresGenerationPrompt,
-    TemplateNotPrefixStable,
     check_template,
     generation_prompt,
     split_reasoning,

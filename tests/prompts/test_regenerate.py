@@ -135,12 +135,6 @@ def test_generate_greedy_stops_and_strips_stop_token(tiny):
     assert got[0][1] == stop and len(got[0][0]) == free[0].index(stop)
 
 
-def test_bad_arguments(tiny):
-    model, tok = tiny
-    with pytest.raises(ValueError):
-        regenerate(model, tok, CONVS, max_new_tokens=0, batch_size=1)
-
-
 def _prompt_len(tok, msgs):
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return len(tok(text, add_special_tokens=False)["input_ids"])
@@ -300,8 +294,6 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
         1,
         1,
     ]  # rounds 0 (4 turns), 1 and 2 (three, five), 3, 4 (five)
-    with pytest.raises(ValueError):
-        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, schedule="fifo")
 
 
 def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkeypatch, caplog):

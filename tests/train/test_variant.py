@@ -211,7 +211,7 @@ def test_eagle31_kv_cached_decode_matches_ttt():
 def test_eagle31_speculative_decoding_is_lossless():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3.decoding.decode import greedy_generate, speculative_generate
+    from eagle3.decoding.decode import greedy_generate_batch, speculative_generate_batch
 
     torch.manual_seed(0)
     ver = LlamaForCausalLM(
@@ -241,9 +241,9 @@ def test_eagle31_speculative_decoding_is_lossless():
     )
     d = Eagle3Drafter(a, ver.get_input_embeddings().weight).eval()
     for p in ([3, 9, 27, 5, 1], [40, 2]):
-        g, _ = greedy_generate(ver, p, 12, ())
-        r = speculative_generate(ver, d, p, [1, 2, 3], steps=3, max_new_tokens=12)
-        assert r.tokens == g
+        g = greedy_generate_batch(ver, [p], 12).tokens[0]
+        r = speculative_generate_batch(ver, d, [p], [1, 2, 3], steps=3, max_new_tokens=12)
+        assert r.rows[0].tokens == g
 
 
 # ---------------------------------------------------------------------------------------------
