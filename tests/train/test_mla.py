@@ -166,7 +166,10 @@ def test_mla_param_names_and_json_round_trip():
     "change,message",
     [
         (dict(num_layers=2), "drafter.num_layers is 2 with attention mla"),
-        (dict(mla=None), "drafter.attention is mla but its sizes are missing"),
+        (
+            dict(mla=None),
+            r"drafter: field 'mla' should be a JSON object, got NoneType; set drafter.mla \(q_lora_rank,",
+        ),
         (dict(attention="gqa"), "drafter field 'attention' must be one of llama, mla"),
     ],
 )
@@ -181,7 +184,8 @@ def test_mla_size_refusal_names_the_key():
     a = _args().to_json()
     a["mla"] = {**a["mla"], "kv_lora_rank": 0}
     with pytest.raises(
-        UserError, match=r"drafter field 'mla.kv_lora_rank' must be an integer >= 1"
+        UserError,
+        match=r"drafter: field 'mla.kv_lora_rank' should be greater than 0, got 0; set drafter.mla",
     ):
         DrafterArgs(**a)
 
