@@ -11,8 +11,16 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io import atomic_torch_save
 from eagle3.io.read import safe_torch_load
 
@@ -222,6 +230,26 @@ def _check_offsets(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
         )
 
 
+class VocabMapFile(BaseModel):
+    """``vocab_map.pt`` as :func:`save_vocab_map` writes it: the two tensors and the sizes recorded beside them,
+    which must be the tensors' (``target_vocab_size`` = ``t2d.numel()``, ``draft_vocab_size`` = ``d2t.numel()``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    target_vocab_size: StrictInt
+    draft_vocab_size: StrictInt
+
+    @field_validator("target_vocab_size", "draft_vocab_size")
+    @classmethod
+    def _as_the_tensors(cls, v: int, info: ValidationInfo) -> int:
+        t = info.data.get("t2d" if info.field_name == "target_vocab_size" else "d2t")
+        if t is not None and v != t.numel():
+            raise ValueError(f"records {v} but the tensors have {t.numel()}")
+        return v
+
+
 def load_vocab_map(
     path: str | os.PathLike,
     target_vocab_size: int | None = None,
@@ -235,19 +263,12 @@ def load_vocab_map(
         UserError (file and key): unreadable file, missing key, recorded sizes unlike the tensors', a bad map.
     """
     path = Path(path)
-    obj = safe_torch_load(path)
-    if not isinstance(obj, dict):
-        raise UserError(f"{path}: not a vocab map (top level is {type(obj).__name__})")
-    for key in ("d2t", "t2d", "target_vocab_size", "draft_vocab_size"):
-        if key not in obj:
-            raise UserError(f"{path}: key '{key}': missing")
-    d2t, t2d = obj["d2t"], obj["t2d"]
+    try:
+        obj = VocabMapFile.model_validate(safe_torch_load(path))
+    except ValidationError as e:
+        raise refusal(e, str(path), "re-run 03_prepare_data.py") from None
+    d2t, t2d = obj.d2t, obj.t2d
     check_vocab_map(d2t, t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
-    for key, n in (("target_vocab_size", t2d.numel()), ("draft_vocab_size", d2t.numel())):
-        if not isinstance(obj[key], int) or int(obj[key]) != int(n):
-            raise UserError(
-                f"{path}: key '{key}': records {obj[key]!r} but the tensors have {int(n)}"
-            )
     return {
         "d2t": d2t,
         "t2d": t2d,
