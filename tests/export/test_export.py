@@ -330,6 +330,12 @@ def test_export_dtype_auto_follows_verifier():
     assert export_dtype("auto", "bfloat16") == torch.bfloat16
     assert export_dtype("auto", "float16") == torch.float16
     assert export_dtype("float32", "bfloat16") == torch.float32
+    assert export_dtype(torch.float16) == torch.float16
+    for bad in ("int8", torch.float64):
+        with pytest.raises(
+            UserError, match=r"export.dtype: unknown dtype .* \(expected auto, bfloat16"
+        ):
+            export_dtype(bad)
 
 
 def test_export_dtype_auto_is_bf16_for_a_float32_verifier(tmp_path, caplog):
