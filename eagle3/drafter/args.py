@@ -182,15 +182,15 @@ class DrafterArgs:
         """
         if isinstance(obj, str):
             obj = json.loads(obj)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(obj) - names)
-        if unknown:
-            raise UserError(f"{source}: unknown drafter field '{unknown[0]}'")
-        missing = [
-            f.name for f in fields(cls) if f.name not in obj and f.name not in OPTIONAL_FIELDS
-        ]
-        if missing:
-            raise UserError(f"{source}: missing drafter field '{missing[0]}'")
+        unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+        missing = [f.name for f in fields(cls) if f.name not in {*obj, *OPTIONAL_FIELDS}]
+        if unknown or missing:
+            fault = (
+                f"unknown drafter field '{unknown[0]}'"
+                if unknown
+                else f"missing drafter field '{missing[0]}'"
+            )
+            raise UserError(f"{source}: {fault}")
         return cls(**obj)
 
     @property

@@ -245,3 +245,12 @@ def test_mla_static_cache_decode_equals_batched_cache_decode():
         got = torch.cat([got, d.decode_static(ids[:, 6:], h[:, 6:], pos[:, 6:], cache)], dim=1)
     assert cache.k[0].shape == (1, HEADS, 16, 20) and cache.v[0].shape == (1, HEADS, 16, 10)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_from_json_refuses_an_unknown_or_missing_field():
+    a = _args().to_json()
+    with pytest.raises(UserError, match=r"^c.json: unknown drafter field 'rope_typo'$"):
+        DrafterArgs.from_json({**a, "rope_typo": 1}, source="c.json")
+    with pytest.raises(UserError, match=r"^c.json: missing drafter field 'head_dim'$"):
+        DrafterArgs.from_json({k: v for k, v in a.items() if k != "head_dim"}, source="c.json")
+    assert DrafterArgs.from_json(a) == _args()
