@@ -93,25 +93,19 @@ class DrafterArgs:
     mla: Optional[dict] = None
 
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise UserError(
-                f"drafter field 'variant' must be one of {', '.join(VARIANTS)}, got {self.variant!r}"
-            )
-        if (
-            not isinstance(self.num_layers, int)
-            or isinstance(self.num_layers, bool)
-            or self.num_layers < 1
-        ):
-            raise UserError(
-                f"drafter field 'num_layers' must be an integer >= 1, got {self.num_layers!r}"
-            )
-        self._check_mla()
+        for key, allowed in (("variant", VARIANTS), ("attention", ATTENTIONS)):
+            if getattr(self, key) not in allowed:
+                raise UserError(
+                    f"drafter field '{key}' must be one of {', '.join(allowed)}, got {getattr(self, key)!r}"
+                )
         for f in fields(self):
-            if f.name in OPTIONAL_FIELDS:
+            if f.name in OPTIONAL_FIELDS and f.name != "num_layers":
                 continue
-            v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise UserError(f"drafter field '{f.name}' must be a positive number, got {v!r}")
+            v, kind = getattr(self, f.name), int if f.name == "num_layers" else (int, float)
+            if not isinstance(v, kind) or isinstance(v, bool) or v <= 0:
+                what = "an integer >= 1" if kind is int else "a positive number"
+                raise UserError(f"drafter field '{f.name}' must be {what}, got {v!r}")
+        self._check_mla()
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError(
                 f"drafter field 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
@@ -130,11 +124,7 @@ class DrafterArgs:
         )  # validates rope_scaling
 
     def _check_mla(self) -> None:
-        """``attention`` is one of :data:`ATTENTIONS`; ``mla`` is set (all of :data:`MLA_FIELDS`) iff it is ``mla``."""
-        if self.attention not in ATTENTIONS:
-            raise UserError(
-                f"drafter field 'attention' must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
-            )
+        """``mla`` is set (all of :data:`MLA_FIELDS`) iff ``attention`` is ``mla``."""
         if not self.is_mla:
             if self.mla is not None:
                 raise UserError(

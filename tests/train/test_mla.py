@@ -254,3 +254,27 @@ def test_from_json_refuses_an_unknown_or_missing_field():
     with pytest.raises(UserError, match=r"^c.json: missing drafter field 'head_dim'$"):
         DrafterArgs.from_json({k: v for k, v in a.items() if k != "head_dim"}, source="c.json")
     assert DrafterArgs.from_json(a) == _args()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(variant="eagle4"),
+            r"drafter field 'variant' must be one of eagle3, eagle3.1, got 'eagle4'",
+        ),
+        (dict(num_layers=1.5), r"drafter field 'num_layers' must be an integer >= 1, got 1.5"),
+        (dict(num_layers=True), r"drafter field 'num_layers' must be an integer >= 1, got True"),
+        (
+            dict(rms_norm_eps=0.0),
+            r"drafter field 'rms_norm_eps' must be a positive number, got 0.0",
+        ),
+        (
+            dict(hidden_size="64"),
+            r"drafter field 'hidden_size' must be a positive number, got '64'",
+        ),
+    ],
+)
+def test_field_refusals_name_the_field(change, message):
+    with pytest.raises(UserError, match=f"^{message}$"):
+        DrafterArgs(**{**_args().to_json(), **change})
