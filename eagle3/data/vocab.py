@@ -204,22 +204,17 @@ def _check_offsets(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
         raise UserError(
             f"{where}: key 'd2t': draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}"
         )
-    if dv > 1:
-        order = torch.sort(tgt, stable=True)
-        dup = order.values[1:] == order.values[:-1]  # [draft_V - 1]
-        if bool(dup.any()):
-            j = _first(dup)
-            a, b = sorted((int(order.indices[j]), int(order.indices[j + 1])))
-            raise UserError(
-                f"{where}: key 'd2t': draft ids {a} and {b} both map to target id {int(tgt[a])}"
-            )
-        down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]
-        if bool(down.any()):
-            i = _first(down)
-            raise UserError(
-                f"{where}: key 'd2t': draft ids must be sorted by target id, but draft id {i} maps to "
-                f"{int(tgt[i])} and draft id {i + 1} to {int(tgt[i + 1])}"
-            )
+    down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]: target ids must strictly increase
+    if bool(down.any()):
+        i = _first(down)
+        a, b = int(tgt[i]), int(tgt[i + 1])
+        fault = (
+            f"draft ids {i} and {i + 1} both map to target id {a}"
+            if a == b
+            else f"draft ids must be sorted by target id, but draft id {i} maps to {a} and draft id "
+            f"{i + 1} to {b}"
+        )
+        raise UserError(f"{where}: key 'd2t': {fault}")
     want = torch.zeros(tv, dtype=torch.bool)  # [target_V]
     want[tgt] = True
     if not torch.equal(want, t2d):
