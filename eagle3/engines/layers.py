@@ -71,18 +71,16 @@ def engine_layer_ids(hf_layers: Sequence[int], engine: Engine, architecture: str
     hf_layers = [int(i) for i in hf_layers]
     if known(engine) == "vllm":
         return hf_layers
-    if is_deepseek_family(architecture):
-        if hf_layers[0] == 1:
-            raise UserError(
-                f"aux layers {hf_layers}: SGLang's DeepSeek rule adds +1 when the first id is 1, "
-                "so HF index 1 cannot be the first aux layer for this verifier"
-            )
-        return hf_layers
-    ids = [i - 1 for i in hf_layers]
-    if min(ids) < 0:
-        raise UserError(
-            f"aux layers {hf_layers}: HF index 0 (embeddings) cannot be captured by SGLang"
+    deepseek = is_deepseek_family(architecture)
+    ids = hf_layers if deepseek else [i - 1 for i in hf_layers]
+    if min(ids) < 0 or hf_layers_from_engine(ids, engine, architecture) != hf_layers:
+        why = (
+            "SGLang's DeepSeek rule adds +1 when the first id is 1, so HF index 1 cannot be the first aux "
+            "layer for this verifier"
+            if deepseek
+            else "HF index 0 (embeddings) cannot be captured by SGLang"
         )
+        raise UserError(f"aux layers {hf_layers}: {why}")
     return ids
 
 

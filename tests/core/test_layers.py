@@ -108,6 +108,10 @@ def test_deepseek_first_id_one_is_shifted():
     with pytest.raises(UserError, match="HF index 1 cannot be the first aux layer"):
         engine_layer_ids([1, 30, 58], "sglang", KIMI)
     assert engine_layer_ids([1, 30, 58], "vllm", KIMI) == [1, 30, 58]
+    with pytest.raises(
+        UserError, match=r"aux layers \[0, 15, 27\]: HF index 0 \(embeddings\) cannot be captured"
+    ):
+        engine_layer_ids([0, 15, 27], "sglang", LLAMA)
 
 
 def test_unknown_engine_and_family():
