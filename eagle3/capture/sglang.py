@@ -216,7 +216,7 @@ class SGLangCapture:
     """:class:`eagle3.capture.base.CaptureBackend` backed by the patched SGLang server.
 
     Args:
-        url: server base URL (``extract.sglang_url``).
+        url: server base URL (``extract.sglang_url``; its callers refuse a config without one).
         capture_dir: the launcher's ``--capture-dir`` (``extract.capture_dir``), on this host.
         aux_layers: the three HF ``hidden_states`` indices the run expects, checked against
             ``capture_info.json``; None = take the server's (set by the first :meth:`info`).
@@ -225,7 +225,7 @@ class SGLangCapture:
         max_requests: prompts per ``/generate`` POST (None = the whole batch in one).
 
     Raises:
-        UserError: no ``url``, or ``capture_dir`` is not a folder.
+        UserError: ``capture_dir`` is not a folder.
     """
 
     def __init__(
@@ -237,8 +237,6 @@ class SGLangCapture:
         max_length: Optional[int] = None,
         max_requests: Optional[int] = None,
     ):
-        if not url:
-            raise UserError("extract.sglang_url: required for extract.backend: sglang")
         self.url = url.rstrip("/")
         self.capture_dir = Path(capture_dir)
         if not self.capture_dir.is_dir():
