@@ -240,15 +240,11 @@ def sglang_backend(
     """
     urls = [urls] if isinstance(urls, str) else list(urls)
     dirs = [capture_dirs] if isinstance(capture_dirs, str) else list(capture_dirs)
-    if len(dirs) != len(urls):
+    if len({str(d) for d in dirs}) != len(urls):
         raise UserError(
             f"extract.capture_dir: {len(urls)} servers in {WHAT} need {len(urls)} capture folders (a list, "
-            f"one per server, in the same order; each server's --capture-dir as this host sees it), "
-            f"got {len(dirs)}"
-        )
-    if len({str(d) for d in dirs}) != len(dirs):
-        raise UserError(
-            f"extract.capture_dir: duplicate folder in {dirs}; each server needs its own capture folder"
+            f"one per server, in the same order; each server's --capture-dir as this host sees it; each "
+            f"server needs its own capture folder), got {dirs}"
         )
     servers = [
         SGLangCapture(

@@ -20,11 +20,18 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from eagle3.capture.base import NUM_CAPTURED, BackendInfo
 from eagle3.engines.layers import engine_layer_ids
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io import read_json
 from eagle3.io.http import request_json
 from eagle3.io.read import safe_torch_load
@@ -41,13 +48,50 @@ class _Loose(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+#: The launcher flags a capture server must run with, by the ``/server_info`` field that reports them.
+_FLAGS = {
+    "disable_radix_cache": "radix cache is on; relaunch with --disable-radix-cache (cached prefixes are "
+    "not recomputed, so their states are never captured)",
+    "enable_return_aux_hidden_states": "relaunch with --enable-return-aux-hidden-states "
+    "--speculative-algorithm EAGLE3",
+}
+
+
 class ServerInfo(_Loose):
-    """``/server_info`` fields the capture depends on (None: not reported, not checked)."""
+    """``/server_info`` fields the capture depends on (None: not reported, not checked); a server the
+    capture cannot use fails validation with the launcher flag to relaunch with."""
 
     version: Optional[str] = None
     disable_radix_cache: Optional[bool] = None
     enable_return_aux_hidden_states: Optional[bool] = None
     chunked_prefill_size: Optional[int] = None
+
+    @field_validator("version")
+    @classmethod
+    def _supported(cls, v):
+        if v is not None and v != SUPPORTED_VERSION:
+            raise ValueError(f"is SGLang {v}; the capture patch is for {SUPPORTED_VERSION}")
+        return v
+
+    @field_validator(*_FLAGS)
+    @classmethod
+    def _flag_on(cls, v, info: ValidationInfo):
+        if v is False:
+            raise ValueError(f"is false: {_FLAGS[info.field_name]}")
+        return v
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _no_chunking(cls, v):
+        # SGLang 0.5.23 shares one chunk budget among a prefill batch's prompts and splits the one
+        # that overflows it (schedule_policy.py _select_prefill_admission); earlier chunks are lost.
+        if v is not None and v > 0:
+            raise ValueError(
+                f"is {v}: relaunch with --chunked-prefill-size -1 (SGLang shares one {v}-token chunk "
+                "budget among the prompts of a prefill batch and splits the prompt that overflows it, "
+                "however short; its earlier chunks would never be captured)"
+            )
+        return v
 
 
 class ModelInfo(_Loose):
@@ -68,13 +112,57 @@ class CaptureInfo(_Loose):
 
 
 class CaptureFile(_Loose):
-    """A ``{rid}.pt`` capture file as the patch writes it."""
+    """A ``{rid}.pt`` capture file as the patch writes it, validated against the request with context
+    ``{"input_ids": [L] sent, "layers": aux layers, "last_hidden_state": capture_info's, "hidden_size": H}``."""
 
     model_config = ConfigDict(extra="ignore", arbitrary_types_allowed=True)
     input_ids: torch.Tensor  # [L] int64
-    hidden_states: list[torch.Tensor]  # 4 x bf16 [L, H]
     layers: Optional[list[int]] = None
     last_hidden_state: Optional[str] = None
+    hidden_states: list[torch.Tensor]  # 4 x bf16 [L, H]
+
+    @field_validator("input_ids")
+    @classmethod
+    def _as_sent(cls, v, info: ValidationInfo):
+        got, sent = v.tolist(), info.context["input_ids"]
+        if got != sent:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(got, sent)) if a != b), min(len(got), len(sent))
+            )
+            raise ValueError(
+                f"holds {len(got)} ids: the server prefilled different token ids than were sent "
+                f"(first mismatch at position {first})"
+            )
+        return v
+
+    @field_validator("layers")
+    @classmethod
+    def _as_configured(cls, v, info: ValidationInfo):
+        if v and v != info.context["layers"]:
+            raise ValueError(f"is {v}, but extract.aux_layers is {info.context['layers']}")
+        return v
+
+    @field_validator("last_hidden_state")
+    @classmethod
+    def _as_recorded(cls, v, info: ValidationInfo):
+        want = info.context["last_hidden_state"]
+        if v is not None and v != want:
+            raise ValueError(
+                f"is {v!r}, but {INFO_FILE} says {want!r} (recorded in data_config.json); the server's "
+                "patch changed under the run: restart it with the same patches/ version and re-run 02"
+            )
+        return v
+
+    @field_validator("hidden_states")
+    @classmethod
+    def _shapes(cls, v, info: ValidationInfo):
+        L, H = len(info.context["input_ids"]), info.context["hidden_size"]
+        shapes = [(tuple(t.shape), t.dtype) for t in v]
+        if shapes != [((L, H), torch.bfloat16)] * NUM_CAPTURED:
+            raise ValueError(
+                f"are {shapes}, expected {NUM_CAPTURED} (3 aux + last) x ({L}, {H}) torch.bfloat16"
+            )
+        return v
 
 
 class GenerateMeta(_Loose):
@@ -85,6 +173,26 @@ class GenerateMeta(_Loose):
     cached_tokens: Optional[int] = 0
     hidden_states: Optional[list] = None  # floats only when the capture patch is not active
 
+    @field_validator("cached_tokens")
+    @classmethod
+    def _uncached(cls, v):
+        if v:
+            raise ValueError(
+                f"is {v}: prompt tokens came from the prefix cache; relaunch the server with "
+                "--disable-radix-cache"
+            )
+        return v
+
+    @field_validator("hidden_states")
+    @classmethod
+    def _patched(cls, v):
+        if v:
+            raise ValueError(
+                "carries hidden-state floats: the server is not running the capture patch "
+                "(patches/sglang_capture_launcher.py --capture-dir ...)"
+            )
+        return v
+
 
 class GenerateResult(_Loose):
     meta_info: GenerateMeta = GenerateMeta()
@@ -93,30 +201,22 @@ class GenerateResult(_Loose):
 _RESULTS = TypeAdapter(list[GenerateResult])
 
 
-def _parse(model, obj, where: str):
-    """``model`` validated from ``obj``; a UserError naming ``where`` and the first bad key."""
+def _parse(model, obj, where: str, context: Optional[dict] = None):
+    """``model`` (a model class or a ``TypeAdapter``) validated from ``obj``; the first fault as one
+    :func:`eagle3.errors.refusal` line naming ``where`` and the field."""
     try:
-        return model.model_validate(obj) if isinstance(model, type) else model.validate_python(obj)
+        if isinstance(model, type):
+            return model.model_validate(obj, context=context)
+        return model.validate_python(obj, context=context)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        if not key:
-            raise UserError(f"{where}: {err['msg']}") from None
-        if err["type"] == "missing" or err.get("input", 0) is None:
-            raise UserError(f"{where}: key '{key}' missing") from None
-        if err["type"] == "literal_error":
-            expected = err["ctx"]["expected"].replace("'", "")
-            raise UserError(
-                f"{where}: key '{key}' is {err['input']!r}, expected {expected}"
-            ) from None
-        raise UserError(f"{where}: key '{key}': {err['msg']}") from None
+        raise refusal(e, where) from None
 
 
 class SGLangCapture:
     """:class:`eagle3.capture.base.CaptureBackend` backed by the patched SGLang server.
 
     Args:
-        url: server base URL (``extract.sglang_url``).
+        url: server base URL (``extract.sglang_url``; its callers refuse a config without one).
         capture_dir: the launcher's ``--capture-dir`` (``extract.capture_dir``), on this host.
         aux_layers: the three HF ``hidden_states`` indices the run expects, checked against
             ``capture_info.json``; None = take the server's (set by the first :meth:`info`).
@@ -125,7 +225,7 @@ class SGLangCapture:
         max_requests: prompts per ``/generate`` POST (None = the whole batch in one).
 
     Raises:
-        UserError: no ``url``, or ``capture_dir`` is not a folder.
+        UserError: ``capture_dir`` is not a folder.
     """
 
     def __init__(
@@ -137,8 +237,6 @@ class SGLangCapture:
         max_length: Optional[int] = None,
         max_requests: Optional[int] = None,
     ):
-        if not url:
-            raise UserError("extract.sglang_url: required for extract.backend: sglang")
         self.url = url.rstrip("/")
         self.capture_dir = Path(capture_dir)
         if not self.capture_dir.is_dir():
@@ -173,7 +271,7 @@ class SGLangCapture:
             ModelInfo, self._request("/model_info"), f"extract.sglang_url {self.url}/model_info"
         )
         where = f"extract.sglang_url {self.url}/server_info"
-        _check_server(_parse(ServerInfo, self._request("/server_info"), where), where)
+        _parse(ServerInfo, self._request("/server_info"), where)
         info_path = self.capture_dir / INFO_FILE
         if not info_path.is_file():
             raise UserError(
@@ -244,13 +342,15 @@ class SGLangCapture:
         where = f"extract.sglang_url {self.url}/generate"
         try:
             resp = self._request("/generate", payload)
-            resp = [resp] if isinstance(resp, dict) else resp
-            if not isinstance(resp, list) or len(resp) != len(batch):
-                got = len(resp) if isinstance(resp, list) else type(resp).__name__
-                raise UserError(f"{where}: expected {len(batch)} results, got {got}")
-            by_rid = {str(r.meta_info.id): r.meta_info for r in _parse(_RESULTS, resp, where)}
+            results = _parse(_RESULTS, [resp] if isinstance(resp, dict) else resp, where)
+            by_rid = {str(r.meta_info.id): r.meta_info for r in results}
+            if len(results) != len(batch) or set(by_rid) != set(rids):
+                raise UserError(
+                    f"{where}: expected one result per request id sent ({len(batch)}), got "
+                    f"{len(results)} results with {len(set(by_rid) & set(rids))} of the ids"
+                )
             return [
-                self._read_one(rid, ids, by_rid.get(rid), H, f"{where} rid {rid}")
+                self._read_one(rid, ids, by_rid[rid], H, f"{where} rid {rid}")
                 for rid, ids in zip(rids, batch)
             ]
         finally:
@@ -259,10 +359,12 @@ class SGLangCapture:
                     (self.capture_dir / f"{rid}{suffix}").unlink(missing_ok=True)
 
     def _read_one(
-        self, rid: str, ids: list[int], meta: Optional[GenerateMeta], H: int, where: str
+        self, rid: str, ids: list[int], meta: GenerateMeta, H: int, where: str
     ) -> list[torch.Tensor]:
-        L = len(ids)
-        _check_meta(meta, L, where)
+        if meta.prompt_tokens != len(ids):
+            raise UserError(
+                f"{where}: server counted {meta.prompt_tokens} prompt tokens, {len(ids)} were sent"
+            )
         err = self.capture_dir / f"{rid}{ERROR_SUFFIX}"
         if err.is_file():
             raise UserError(f"{err}: {read_json(err).get('error', 'capture failed')}")
@@ -272,78 +374,11 @@ class SGLangCapture:
                 f"{path}: not written by the server (wrong --capture-dir, another host, or the patch "
                 "is not active)"
             )
-        f = _parse(CaptureFile, safe_torch_load(path), str(path))
-        got = f.input_ids.tolist()  # [L] int64
-        if got != list(ids):
-            first = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(L, len(got)))
-            raise UserError(
-                f"{path}: the server prefilled different token ids than were sent "
-                f"({len(got)} ids, first mismatch at position {first})"
-            )
-        if f.layers and f.layers != self.aux_layers:
-            raise UserError(
-                f"{path}: captured layers {f.layers}, extract.aux_layers is {self.aux_layers}"
-            )
-        conv = f.last_hidden_state
-        if conv is not None and conv != self._info["last_hidden_state"]:
-            raise UserError(
-                f"{path}: last_hidden_state {conv!r}, but {self.capture_dir / INFO_FILE} says "
-                f"{self._info['last_hidden_state']!r} (recorded in data_config.json); the server's patch "
-                f"changed under the run: restart it with the same patches/ version and re-run 02"
-            )
-        states = f.hidden_states
-        shapes = [(tuple(t.shape), t.dtype) for t in states]
-        if shapes != [((L, H), torch.bfloat16)] * NUM_CAPTURED:
-            raise UserError(
-                f"{path}: hidden_states are {shapes}, expected {NUM_CAPTURED} (3 aux + last) x "
-                f"({L}, {H}) torch.bfloat16"
-            )
-        return [t.to("cpu") for t in states]  # 4 x [L, H] bf16
-
-
-def _check_meta(meta: Optional[GenerateMeta], L: int, where: str) -> None:
-    """Refuse the ``meta_info`` of a ``L``-token prompt's result: absent, another prompt length,
-    prefix-cached tokens, or hidden-state floats (no capture patch)."""
-    if meta is None:
-        raise UserError(f"{where}: no result for this request id in the response")
-    if meta.prompt_tokens != L:
-        raise UserError(
-            f"{where}: server counted {meta.prompt_tokens} prompt tokens, {L} were sent"
-        )
-    if meta.cached_tokens:
-        raise UserError(
-            f"{where}: {meta.cached_tokens} prompt tokens came from the prefix cache; "
-            "relaunch the server with --disable-radix-cache"
-        )
-    if meta.hidden_states:
-        raise UserError(
-            f"{where}: the response carries hidden-state floats: the server is not running the "
-            "capture patch (patches/sglang_capture_launcher.py --capture-dir ...)"
-        )
-
-
-def _check_server(server: ServerInfo, where: str) -> None:
-    """Refuse a server whose ``/server_info`` (``server``) the capture cannot use; the message
-    names the launcher flag to relaunch with."""
-    if server.version is not None and server.version != SUPPORTED_VERSION:
-        raise UserError(
-            f"{where}: SGLang {server.version}; the capture patch is for {SUPPORTED_VERSION}"
-        )
-    if server.disable_radix_cache is False:
-        raise UserError(
-            f"{where}: radix cache is on; relaunch with --disable-radix-cache "
-            "(cached prefixes are not recomputed, so their states are never captured)"
-        )
-    if server.enable_return_aux_hidden_states is False:
-        raise UserError(
-            f"{where}: relaunch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
-        )
-    chunk = server.chunked_prefill_size
-    if chunk is not None and chunk > 0:
-        # SGLang 0.5.23 shares one chunk budget among a prefill batch's prompts and splits the one
-        # that overflows it (schedule_policy.py _select_prefill_admission); earlier chunks are lost.
-        raise UserError(
-            f"{where}: chunked_prefill_size {chunk}: relaunch with --chunked-prefill-size -1 (SGLang "
-            f"shares one {chunk}-token chunk budget among the prompts of a prefill batch and splits the "
-            "prompt that overflows it, however short; its earlier chunks would never be captured)"
-        )
+        context = {
+            "input_ids": list(ids),
+            "layers": self.aux_layers,
+            "last_hidden_state": self._info["last_hidden_state"],
+            "hidden_size": H,
+        }
+        f = _parse(CaptureFile, safe_torch_load(path), str(path), context)
+        return [t.to("cpu") for t in f.hidden_states]  # 4 x [L, H] bf16

@@ -11,8 +11,16 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io import atomic_torch_save
 from eagle3.io.read import safe_torch_load
 
@@ -196,22 +204,17 @@ def _check_offsets(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
         raise UserError(
             f"{where}: key 'd2t': draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}"
         )
-    if dv > 1:
-        order = torch.sort(tgt, stable=True)
-        dup = order.values[1:] == order.values[:-1]  # [draft_V - 1]
-        if bool(dup.any()):
-            j = _first(dup)
-            a, b = sorted((int(order.indices[j]), int(order.indices[j + 1])))
-            raise UserError(
-                f"{where}: key 'd2t': draft ids {a} and {b} both map to target id {int(tgt[a])}"
-            )
-        down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]
-        if bool(down.any()):
-            i = _first(down)
-            raise UserError(
-                f"{where}: key 'd2t': draft ids must be sorted by target id, but draft id {i} maps to "
-                f"{int(tgt[i])} and draft id {i + 1} to {int(tgt[i + 1])}"
-            )
+    down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]: target ids must strictly increase
+    if bool(down.any()):
+        i = _first(down)
+        a, b = int(tgt[i]), int(tgt[i + 1])
+        fault = (
+            f"draft ids {i} and {i + 1} both map to target id {a}"
+            if a == b
+            else f"draft ids must be sorted by target id, but draft id {i} maps to {a} and draft id "
+            f"{i + 1} to {b}"
+        )
+        raise UserError(f"{where}: key 'd2t': {fault}")
     want = torch.zeros(tv, dtype=torch.bool)  # [target_V]
     want[tgt] = True
     if not torch.equal(want, t2d):
@@ -220,6 +223,26 @@ def _check_offsets(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
             f"{where}: key 't2d': marks {int(t2d.sum())} target ids, d2t describes {dv}; "
             f"they differ first at target id {k} (t2d {bool(t2d[k])}, d2t {bool(want[k])})"
         )
+
+
+class VocabMapFile(BaseModel):
+    """``vocab_map.pt`` as :func:`save_vocab_map` writes it: the two tensors and the sizes recorded beside them,
+    which must be the tensors' (``target_vocab_size`` = ``t2d.numel()``, ``draft_vocab_size`` = ``d2t.numel()``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    target_vocab_size: StrictInt
+    draft_vocab_size: StrictInt
+
+    @field_validator("target_vocab_size", "draft_vocab_size")
+    @classmethod
+    def _as_the_tensors(cls, v: int, info: ValidationInfo) -> int:
+        t = info.data.get("t2d" if info.field_name == "target_vocab_size" else "d2t")
+        if t is not None and v != t.numel():
+            raise ValueError(f"records {v} but the tensors have {t.numel()}")
+        return v
 
 
 def load_vocab_map(
@@ -235,19 +258,12 @@ def load_vocab_map(
         UserError (file and key): unreadable file, missing key, recorded sizes unlike the tensors', a bad map.
     """
     path = Path(path)
-    obj = safe_torch_load(path)
-    if not isinstance(obj, dict):
-        raise UserError(f"{path}: not a vocab map (top level is {type(obj).__name__})")
-    for key in ("d2t", "t2d", "target_vocab_size", "draft_vocab_size"):
-        if key not in obj:
-            raise UserError(f"{path}: key '{key}': missing")
-    d2t, t2d = obj["d2t"], obj["t2d"]
+    try:
+        obj = VocabMapFile.model_validate(safe_torch_load(path))
+    except ValidationError as e:
+        raise refusal(e, str(path), "re-run 03_prepare_data.py") from None
+    d2t, t2d = obj.d2t, obj.t2d
     check_vocab_map(d2t, t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
-    for key, n in (("target_vocab_size", t2d.numel()), ("draft_vocab_size", d2t.numel())):
-        if not isinstance(obj[key], int) or int(obj[key]) != int(n):
-            raise UserError(
-                f"{path}: key '{key}': records {obj[key]!r} but the tensors have {int(n)}"
-            )
     return {
         "d2t": d2t,
         "t2d": t2d,

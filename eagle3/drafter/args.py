@@ -8,8 +8,10 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, field_validator
+
 from eagle3.drafter.attention import rope_inv_freq
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 
 VARIANTS = ("eagle3", "eagle3.1")
 """Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
@@ -25,6 +27,33 @@ MLA_FIELDS = (
     "rope_interleave",
 )
 """The keys of ``DrafterArgs.mla`` (DeepSeek-V3 config names; ``q_lora_rank`` None = a plain ``q_proj``)."""
+
+
+class MLASizes(BaseModel):
+    """``DrafterArgs.mla`` of an MLA drafter: exactly the keys of :data:`MLA_FIELDS`, sizes strict integers >= 1
+    (``q_lora_rank`` None or absent = a plain ``q_proj``), ``qk_rope_head_dim`` even (rotary pairs)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    q_lora_rank: Optional[PositiveInt] = None
+    kv_lora_rank: PositiveInt
+    qk_nope_head_dim: PositiveInt
+    qk_rope_head_dim: PositiveInt
+    v_head_dim: PositiveInt
+    rope_interleave: bool
+
+    @field_validator("qk_rope_head_dim")
+    @classmethod
+    def _even(cls, v: int) -> int:
+        if v % 2:
+            raise ValueError(f"must be even for rotary embeddings, got {v}")
+        return v
+
+
+class _MLABlock(BaseModel):
+    mla: MLASizes
+
+
 OPTIONAL_FIELDS = ("rope_scaling", "variant", "num_layers", "attention", "mla")
 """:class:`DrafterArgs` fields with a default (absent in checkpoints/exports written before they existed)."""
 
@@ -64,25 +93,19 @@ class DrafterArgs:
     mla: Optional[dict] = None
 
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise UserError(
-                f"drafter field 'variant' must be one of {', '.join(VARIANTS)}, got {self.variant!r}"
-            )
-        if (
-            not isinstance(self.num_layers, int)
-            or isinstance(self.num_layers, bool)
-            or self.num_layers < 1
-        ):
-            raise UserError(
-                f"drafter field 'num_layers' must be an integer >= 1, got {self.num_layers!r}"
-            )
-        self._check_mla()
+        for key, allowed in (("variant", VARIANTS), ("attention", ATTENTIONS)):
+            if getattr(self, key) not in allowed:
+                raise UserError(
+                    f"drafter field '{key}' must be one of {', '.join(allowed)}, got {getattr(self, key)!r}"
+                )
         for f in fields(self):
-            if f.name in OPTIONAL_FIELDS:
+            if f.name in OPTIONAL_FIELDS and f.name != "num_layers":
                 continue
-            v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise UserError(f"drafter field '{f.name}' must be a positive number, got {v!r}")
+            v, kind = getattr(self, f.name), int if f.name == "num_layers" else (int, float)
+            if not isinstance(v, kind) or isinstance(v, bool) or v <= 0:
+                what = "an integer >= 1" if kind is int else "a positive number"
+                raise UserError(f"drafter field '{f.name}' must be {what}, got {v!r}")
+        self._check_mla()
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError(
                 f"drafter field 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
@@ -101,45 +124,19 @@ class DrafterArgs:
         )  # validates rope_scaling
 
     def _check_mla(self) -> None:
-        """``attention`` is one of :data:`ATTENTIONS`; ``mla`` is set (all of :data:`MLA_FIELDS`) iff it is ``mla``."""
-        if self.attention not in ATTENTIONS:
-            raise UserError(
-                f"drafter field 'attention' must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
-            )
+        """``mla`` is set (all of :data:`MLA_FIELDS`) iff ``attention`` is ``mla``."""
         if not self.is_mla:
             if self.mla is not None:
                 raise UserError(
                     "drafter field 'mla' is set but attention is llama; set drafter.attention: mla"
                 )
             return
-        if not isinstance(self.mla, dict):
-            raise UserError(
-                "drafter.attention is mla but its sizes are missing; set drafter.mla.kv_lora_rank etc."
-            )
-        unknown = sorted(set(self.mla) - set(MLA_FIELDS))
-        if unknown:
-            raise UserError(
-                f"drafter field 'mla.{unknown[0]}' is unknown (expected {', '.join(MLA_FIELDS)})"
-            )
-        for k in MLA_FIELDS:
-            v = self.mla.get(k)
-            if k == "rope_interleave":
-                if not isinstance(v, bool):
-                    raise UserError(
-                        f"drafter field 'mla.rope_interleave' must be true or false, got {v!r}"
-                    )
-                continue
-            if v is None and k == "q_lora_rank":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise UserError(
-                    f"drafter field 'mla.{k}' must be an integer >= 1, got {v!r}; set drafter.mla.{k}"
-                )
-        if self.mla["qk_rope_head_dim"] % 2:
-            raise UserError(
-                f"drafter field 'mla.qk_rope_head_dim' must be even for rotary embeddings, got "
-                f"{self.mla['qk_rope_head_dim']}"
-            )
+        try:
+            _MLABlock.model_validate({"mla": self.mla})
+        except ValidationError as e:
+            raise refusal(
+                e, "drafter", f"set drafter.mla ({', '.join(MLA_FIELDS)}) for attention mla"
+            ) from None
         if self.num_layers != 1:
             raise UserError(
                 f"drafter.num_layers is {self.num_layers} with attention mla; the engines' MLA draft classes "
@@ -175,15 +172,15 @@ class DrafterArgs:
         """
         if isinstance(obj, str):
             obj = json.loads(obj)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(obj) - names)
-        if unknown:
-            raise UserError(f"{source}: unknown drafter field '{unknown[0]}'")
-        missing = [
-            f.name for f in fields(cls) if f.name not in obj and f.name not in OPTIONAL_FIELDS
-        ]
-        if missing:
-            raise UserError(f"{source}: missing drafter field '{missing[0]}'")
+        unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+        missing = [f.name for f in fields(cls) if f.name not in {*obj, *OPTIONAL_FIELDS}]
+        if unknown or missing:
+            fault = (
+                f"unknown drafter field '{unknown[0]}'"
+                if unknown
+                else f"missing drafter field '{missing[0]}'"
+            )
+            raise UserError(f"{source}: {fault}")
         return cls(**obj)
 
     @property

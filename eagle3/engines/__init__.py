@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from eagle3.errors import UserError
+
 Engine = Literal["sglang", "vllm"]
 ENGINES: tuple[str, ...] = get_args(Engine)
 """The engine names, in the order messages list them."""
@@ -20,6 +22,13 @@ LABELS: dict[str, str] = {"sglang": "SGLang", "vllm": "vLLM"}
 def others(engine: str) -> tuple[str, ...]:
     """The engines other than ``engine`` (the ones a folder for ``engine`` must not be served with)."""
     return tuple(e for e in ENGINES if e != engine)
+
+
+def known(engine: str, field: str = "engine") -> Engine:
+    """``engine`` as an :data:`Engine`. Raises :class:`UserError` naming ``field`` when it is not one of :data:`ENGINES`."""
+    if engine not in ENGINES:
+        raise UserError(f"{field}: unknown engine '{engine}' (expected {spelled()})")
+    return engine
 
 
 def spelled(engines: tuple[str, ...] = ENGINES, quote: bool = False) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from eagle3.engines import Engine, spelled
+from eagle3.engines import Engine, known
 from eagle3.errors import UserError
 from eagle3.verifier.arch import is_deepseek_family
 
@@ -46,16 +46,16 @@ def check_aux_layers(
         UserError: naming ``field`` and the offending value.
     """
     layers = [int(i) for i in layers]
-    if len(layers) != 3:
-        raise UserError(f"{field}: EAGLE-3 needs exactly 3 aux layers, got {layers}")
-    for i in layers:
-        if not 1 <= i <= num_layers - 1:
-            raise UserError(
-                f"{field}: aux layer {i} is outside 1..{num_layers - 1} for a {num_layers}-layer verifier "
-                "(HF hidden_states index; the final layer output cannot be an aux state)"
-            )
-    if sorted(set(layers)) != layers:
-        raise UserError(f"{field}: aux layers must be strictly increasing, got {layers}")
+    if (
+        len(layers) != 3
+        or sorted(set(layers)) != layers
+        or not 1 <= layers[0] < layers[-1] < num_layers
+    ):
+        raise UserError(
+            f"{field}: aux layers {layers} must be exactly 3, strictly increasing, in 1..{num_layers - 1} "
+            f"for a {num_layers}-layer verifier (HF hidden_states indices; the final layer output cannot be an "
+            "aux state)"
+        )
     return layers
 
 
@@ -69,32 +69,26 @@ def engine_layer_ids(hf_layers: Sequence[int], engine: Engine, architecture: str
         UserError: unknown engine, or a list the engine's rule cannot express.
     """
     hf_layers = [int(i) for i in hf_layers]
-    if engine == "vllm":
+    if known(engine) == "vllm":
         return hf_layers
-    if engine != "sglang":
-        raise UserError(f"unknown engine '{engine}' (expected {spelled()})")
-    if is_deepseek_family(architecture):
-        if hf_layers[0] == 1:
-            raise UserError(
-                f"aux layers {hf_layers}: SGLang's DeepSeek rule adds +1 when the first id is 1, "
-                "so HF index 1 cannot be the first aux layer for this verifier"
-            )
-        return hf_layers
-    ids = [i - 1 for i in hf_layers]
-    if min(ids) < 0:
-        raise UserError(
-            f"aux layers {hf_layers}: HF index 0 (embeddings) cannot be captured by SGLang"
+    deepseek = is_deepseek_family(architecture)
+    ids = hf_layers if deepseek else [i - 1 for i in hf_layers]
+    if min(ids) < 0 or hf_layers_from_engine(ids, engine, architecture) != hf_layers:
+        why = (
+            "SGLang's DeepSeek rule adds +1 when the first id is 1, so HF index 1 cannot be the first aux "
+            "layer for this verifier"
+            if deepseek
+            else "HF index 0 (embeddings) cannot be captured by SGLang"
         )
+        raise UserError(f"aux layers {hf_layers}: {why}")
     return ids
 
 
 def hf_layers_from_engine(ids: Sequence[int], engine: Engine, architecture: str) -> list[int]:
     """Inverse of :func:`engine_layer_ids`: which HF indices an engine captures for these draft-config ids."""
     ids = [int(i) for i in ids]
-    if engine == "vllm":
+    if known(engine) == "vllm":
         return ids
-    if engine != "sglang":
-        raise UserError(f"unknown engine '{engine}' (expected {spelled()})")
     if is_deepseek_family(architecture):
         return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
     return [i + 1 for i in ids]

@@ -118,10 +118,6 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
     Raises:
         UserError: an unknown dtype name.
     """
-    if isinstance(name, torch.dtype):
-        if name not in EXPORT_DTYPES.values():
-            raise UserError(f"export.dtype: {name} is not one of {sorted(EXPORT_DTYPES)}")
-        return name
     if name == "auto" and verifier_dtype == "float32":
         log.info(
             "export.dtype auto with verifier.dtype float32: exporting bfloat16, the serving dtype "
@@ -129,11 +125,12 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
         )
         return torch.bfloat16
     key = verifier_dtype if name == "auto" else name
-    if key not in EXPORT_DTYPES:
+    out = EXPORT_DTYPES.get(key) if isinstance(key, str) else key
+    if out not in EXPORT_DTYPES.values():
         raise UserError(
             f"export.dtype: unknown dtype {key!r} (expected auto, {', '.join(sorted(EXPORT_DTYPES))})"
         )
-    return EXPORT_DTYPES[key]
+    return out
 
 
 def check_export_contract(
@@ -158,15 +155,14 @@ def check_export_contract(
     """
     a = drafter.args
     vh, vv = int(verifier_info["hidden_size"]), int(verifier_info["vocab_size"])
-    if vh != a.target_hidden_size:
-        raise UserError(
-            f"verifier_info.hidden_size: {vh}, but the drafter was built for target_hidden_size "
-            f"{a.target_hidden_size} (its fc reads 3 x target hidden)"
-        )
-    if vv != a.target_vocab_size:
-        raise UserError(
-            f"verifier_info.vocab_size: {vv}, but the drafter was built for target_vocab_size {a.target_vocab_size}"
-        )
+    for key, got, built, why in (
+        ("hidden_size", vh, a.target_hidden_size, " (its fc reads 3 x target hidden)"),
+        ("vocab_size", vv, a.target_vocab_size, ""),
+    ):
+        if got != built:
+            raise UserError(
+                f"verifier_info.{key}: {got}, but the drafter was built for target_{key} {built}{why}"
+            )
     sd = drafter.state_dict()
     _check_tensor_shapes(sd, a, vh, vv)
     check_vocab_map(

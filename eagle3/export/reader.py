@@ -10,18 +10,19 @@ import logging
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eagle3.data.vocab import check_vocab_map
 from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.model import Eagle3Drafter
-from eagle3.engines import ENGINES, LABELS, others, spelled
+from eagle3.engines import LABELS, Engine, others, spelled
 from eagle3.engines.layers import engine_layer_ids, hf_layers_from_engine, layer_id_convention
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.export.common import (
     CONFIG_BLOCK,
     EMBED_KEY,
@@ -184,16 +185,22 @@ def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
             src = root / META_FILE
     if block is None:
         return None
-    if not isinstance(block, dict):
-        raise UserError(f"{src}: key '{CONFIG_BLOCK}' must be an object")
-    aux = block.get("aux_layers_hf")
-    if not isinstance(aux, list) or len(aux) != 3 or not all(isinstance(i, int) for i in aux):
-        raise UserError(f"{src}: key 'aux_layers_hf' must be a list of 3 integers, got {aux!r}")
-    if block.get("engine") not in ENGINES:
-        raise UserError(
-            f"{src}: key 'engine' must be {spelled(quote=True)}, got {block.get('engine')!r}"
-        )
+    try:
+        _RecordedBlock.model_validate(block)
+    except ValidationError as e:
+        raise refusal(
+            e, f"{src} ({CONFIG_BLOCK})", "re-export with 04_train.py --export-only"
+        ) from None
     return dict(block, source=str(src))
+
+
+class _RecordedBlock(BaseModel):
+    """The facts :func:`_recorded_block` reads: the engine the folder is for, the three HF aux layers its ids state."""
+
+    model_config = ConfigDict(extra="allow")
+
+    engine: Engine
+    aux_layers_hf: Annotated[list[StrictInt], Field(min_length=3, max_length=3)]
 
 
 def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, Path, list[str]]:
@@ -328,19 +335,21 @@ def _check_tensor_names(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath
     want = required_keys(
         "sglang", args.variant, args.num_layers, layer_keys(args)
     )  # the drafter's names
-    for key in want:
-        if key not in tensors:
-            shown = key.replace("midlayer.", fmt.LAYER0, 1)
-            why = (
-                f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
-                f"engine takes every draft id for the target id of the same number)"
-                if key == "d2t"
-                else ""
-            )
-            raise UserError(f"{wpath}: missing required tensor '{shown}'{why}")
+    missing = [k for k in want if k not in tensors]
     extra = sorted(set(tensors) - set(want) - {EMBED_KEY})
-    if extra:
-        raise UserError(f"{wpath}: unexpected tensor '{extra[0]}'")
+    if missing or extra:
+        why = (
+            f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
+            f"engine takes every draft id for the target id of the same number)"
+            if missing[:1] == ["d2t"]
+            else ""
+        )
+        fault = (
+            f"missing required tensor '{missing[0].replace('midlayer.', fmt.LAYER0, 1)}'{why}"
+            if missing
+            else f"unexpected tensor '{extra[0]}'"
+        )
+        raise UserError(f"{wpath}: {fault}")
 
 
 def _pick_upper_norms(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: Path) -> None:

@@ -27,7 +27,7 @@ import torch
 from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, draft_layer_config
 from eagle3.drafter.model import Eagle3Drafter
-from eagle3.engines import ENGINES, LABELS, others, spelled
+from eagle3.engines import LABELS, known, others, spelled
 from eagle3.engines.context import check_context_length
 from eagle3.engines.layers import check_aux_layers, engine_layer_ids, layer_id_convention
 from eagle3.errors import UserError
@@ -130,8 +130,7 @@ def _check_request(
     dtype: str | torch.dtype,
 ) -> tuple[torch.dtype, list[int], list[int]]:
     """:func:`export_drafter`'s refusals before anything is written; returns ``(dtype, HF aux layers, engine ids)``."""
-    if engine not in ENGINES:
-        raise UserError(f"export.engine: unknown engine '{engine}' (expected {spelled()})")
+    known(engine, "export.engine")
     check_engine_serves(engine, drafter.args.variant, drafter.args.mla)
     out_dtype = export_dtype(dtype)
     FORMATS[engine].warn_dtype(out_dtype)

@@ -101,14 +101,10 @@ def convert(
     """
     src, dst = Path(src), Path(dst)
     meta = read_data_config(src)
-    if dst.resolve() == src.resolve():
+    if src.resolve() in (dst.resolve(), *dst.resolve().parents):
         raise UserError(
-            f"{dst}: the destination must differ from the source folder (conversion is not in place)"
-        )
-    if src.resolve() in dst.resolve().parents:
-        raise UserError(
-            f"{dst}: the destination is inside the source folder {src} (its shards would be read as "
-            "source shards by later stages); choose a folder outside it"
+            f"{dst}: the destination must be outside the source folder {src} (conversion is not in place, "
+            "and shards inside it would be read as source shards by later stages); choose another folder"
         )
     H = int(meta["hidden_size"])
     try:

@@ -17,11 +17,12 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
+from pydantic import ConfigDict, ValidationError, create_model
 
-from eagle3.errors import UserError
+from eagle3.errors import UserError, refusal
 from eagle3.io import TMP_MARK, atomic_torch_save
 from eagle3.io import remove_stale_tmp as _remove_tmp
 from eagle3.io.read import safe_torch_load
@@ -42,6 +43,13 @@ REQUIRED_KEYS = (
     "config_fingerprint",
     "world_size",
 )
+_Head = create_model(
+    "CheckpointHead",
+    __config__=ConfigDict(extra="allow"),
+    format=(Literal[FORMAT], ...),
+    **{k: (Any, ...) for k in REQUIRED_KEYS if k != "format"},
+)
+"""What :func:`load_checkpoint` requires of a checkpoint: every :data:`REQUIRED_KEYS` key, ``format`` = :data:`FORMAT`."""
 _NAME_RE = re.compile(r"^step_(\d{8})\.pt$")
 
 
@@ -110,13 +118,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     """Load (weights-only) and validate one checkpoint; UserError: unreadable, wrong format, missing key."""
     path = Path(path)
     state = safe_torch_load(path)
-    if not isinstance(state, dict):
-        raise UserError(f"{path}: not a training checkpoint (top level is {type(state).__name__})")
-    if state.get("format") != FORMAT:
-        raise UserError(f"{path}: key 'format' is {state.get('format')!r}, expected {FORMAT!r}")
-    for k in REQUIRED_KEYS:
-        if k not in state:
-            raise UserError(f"{path}: missing key '{k}'")
+    try:
+        _Head.model_validate(state)
+    except ValidationError as e:
+        raise refusal(e, str(path)) from None
     return state
 
 

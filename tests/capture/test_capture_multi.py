@@ -202,7 +202,10 @@ def test_sglang_backend_from_config_values(tmp_path, servers):
         sglang_backend([a.url, b.url], str(a.capture_dir), AUX, **kw)
     with pytest.raises(UserError, match="duplicate URL"):
         sglang_backend([a.url, a.url + "/"], [str(a.capture_dir), str(b.capture_dir)], AUX, **kw)
-    with pytest.raises(UserError, match="each server needs its own capture folder"):
+    with pytest.raises(
+        UserError,
+        match=r"need 2 capture folders .* each server needs its own capture folder\), got \['",
+    ):
         sglang_backend([a.url, b.url], [str(a.capture_dir)] * 2, AUX, **kw)
     cfg = load_config(
         _config(

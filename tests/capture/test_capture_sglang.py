@@ -248,11 +248,11 @@ def test_max_requests_splits_posts(server):
         ("drop_token", "server counted 1 prompt tokens, 2 were sent"),
         (
             "alter_token",
-            "prefilled different token ids than were sent .* first mismatch at position 0",
+            r"field 'input_ids' holds 2 ids: the server prefilled different token ids than were sent \(first mismatch at position 0\)",
         ),
         (
             "cached",
-            "2 prompt tokens came from the prefix cache; relaunch the server with --disable-radix-cache",
+            "cached_tokens' is 2: prompt tokens came from the prefix cache; relaunch the server with --disable-radix-cache",
         ),
         ("unpatched", "not running the capture patch"),
         ("partial", "prefill covered 1 of 2 prompt tokens"),
@@ -288,13 +288,13 @@ def test_layer_mismatch_names_the_fix(server):
         (
             "chunked_prefill_size",
             2048,
-            "chunked_prefill_size 2048: relaunch with --chunked-prefill-size -1",
+            "chunked_prefill_size' is 2048: relaunch with --chunked-prefill-size -1",
         ),
         # at least max_length is not enough: the chunk budget is shared by a prefill batch's prompts (trial 05e)
         (
             "chunked_prefill_size",
             8192,
-            "chunked_prefill_size 8192: relaunch with --chunked-prefill-size -1",
+            "chunked_prefill_size' is 8192: relaunch with --chunked-prefill-size -1",
         ),
         ("version", "0.5.24", "SGLang 0.5.24; the capture patch is for 0.5.23"),
     ],
@@ -340,12 +340,13 @@ def test_the_last_hidden_state_convention_is_not_assumed_silently(server, caplog
     be = _backend(server)
     assert be.info()["last_hidden_state"] == "pre_norm"
     with pytest.raises(
-        UserError, match=r"last_hidden_state 'post_norm', but .*capture_info.json says 'pre_norm'"
+        UserError,
+        match=r"field 'last_hidden_state' is 'post_norm', but capture_info.json says 'pre_norm'",
     ):
         be.capture([[5, 6, 7]])
     info.write_text(json.dumps({**cap, "last_hidden_state": "final"}))
     with pytest.raises(
         UserError,
-        match=r"capture_info.json: key 'last_hidden_state' is 'final', expected post_norm",
+        match=r"capture_info.json: field 'last_hidden_state' should be 'post_norm' or 'pre_norm', got 'final'",
     ):
         _backend(server).info()

@@ -347,7 +347,9 @@ def test_default_aux_layers_need_six_distinct(tmp_path, tiny_llama_dir):
 
 def test_aux_layer_out_of_range(tmp_path, tiny_llama_dir):
     cfg = load_config(_config(tmp_path, tiny_llama_dir, aux_layers=[1, 2, 6]))
-    with pytest.raises(UserError, match="aux layer 6 is outside 1..5"):
+    with pytest.raises(
+        UserError, match=r"aux layers \[1, 2, 6\] must be .* in 1\.\.5 for a 6-layer verifier"
+    ):
         run(cfg)
 
 

@@ -61,13 +61,18 @@ def test_default_aux_layers_docstring_states_the_boundary_the_code_uses():
 def test_check_aux_layers():
     assert check_aux_layers([3, 31, 59], 61) == [3, 31, 59]
     assert check_aux_layers([1, 2, 60], 61) == [1, 2, 60]
-    with pytest.raises(UserError, match="aux layer 61 is outside 1..60"):
+    with pytest.raises(
+        UserError,
+        match=r"aux layers \[3, 31, 61\] must be exactly 3, strictly increasing, in 1\.\.60 ",
+    ):
         check_aux_layers([3, 31, 61], 61)  # index N = final layer output, never capturable
-    with pytest.raises(UserError, match="aux layer 0 is outside"):
+    with pytest.raises(UserError, match=r"aux layers \[0, 15, 27\] must be .* in 1\.\.29 "):
         check_aux_layers([0, 15, 27], 30)  # embeddings
-    with pytest.raises(UserError, match="strictly increasing"):
+    with pytest.raises(
+        UserError, match=r"aux layers \[15, 2, 27\] must be exactly 3, strictly increasing"
+    ):
         check_aux_layers([15, 2, 27], 30)
-    with pytest.raises(UserError, match="exactly 3"):
+    with pytest.raises(UserError, match=r"aux layers \[2, 15\] must be exactly 3"):
         check_aux_layers([2, 15], 30)
     with pytest.raises(UserError, match="my.field"):
         check_aux_layers([2, 15, 30], 30, field="my.field")
@@ -103,6 +108,10 @@ def test_deepseek_first_id_one_is_shifted():
     with pytest.raises(UserError, match="HF index 1 cannot be the first aux layer"):
         engine_layer_ids([1, 30, 58], "sglang", KIMI)
     assert engine_layer_ids([1, 30, 58], "vllm", KIMI) == [1, 30, 58]
+    with pytest.raises(
+        UserError, match=r"aux layers \[0, 15, 27\]: HF index 0 \(embeddings\) cannot be captured"
+    ):
+        engine_layer_ids([0, 15, 27], "sglang", LLAMA)
 
 
 def test_unknown_engine_and_family():

@@ -223,3 +223,27 @@ def test_resume_refusal_names_a_real_config_key(key, named):
             section, field = token.split(".")
             sub = RunConfig.model_fields[section].annotation
             assert field in sub.model_fields, f"{token} is not a config key"
+
+
+@pytest.mark.parametrize(
+    "change, msg",
+    [
+        (dict(target_vocab_size=9), r"field 'target_vocab_size' records 9 but the tensors have 8"),
+        (dict(draft_vocab_size=5), r"field 'draft_vocab_size' records 5 but the tensors have 4"),
+        (dict(draft_vocab_size="4"), r"field 'draft_vocab_size' should be a valid integer"),
+        (dict(t2d=None), r"field 't2d' should be an instance of Tensor"),
+    ],
+)
+def test_vocab_map_file_records_are_the_tensors(tmp_path, change, msg):
+    from eagle3.data.vocab import load_vocab_map
+
+    d2t, t2d = _map(GOOD_TARGETS)
+    p = tmp_path / "vocab_map.pt"
+    torch.save({"d2t": d2t, "t2d": t2d, "target_vocab_size": V, "draft_vocab_size": DV}, p)
+    assert load_vocab_map(p)["draft_vocab_size"] == DV
+    obj = {"d2t": d2t, "t2d": t2d, "target_vocab_size": V, "draft_vocab_size": DV, **change}
+    torch.save({k: v for k, v in obj.items() if v is not None}, p)
+    if "t2d" in change:
+        msg = r"field 't2d' is missing; re-run 03_prepare_data.py"
+    with pytest.raises(UserError, match=rf"vocab_map.pt: {msg}"):
+        load_vocab_map(p)

@@ -330,6 +330,12 @@ def test_export_dtype_auto_follows_verifier():
     assert export_dtype("auto", "bfloat16") == torch.bfloat16
     assert export_dtype("auto", "float16") == torch.float16
     assert export_dtype("float32", "bfloat16") == torch.float32
+    assert export_dtype(torch.float16) == torch.float16
+    for bad in ("int8", torch.float64):
+        with pytest.raises(
+            UserError, match=r"export.dtype: unknown dtype .* \(expected auto, bfloat16"
+        ):
+            export_dtype(bad)
 
 
 def test_export_dtype_auto_is_bf16_for_a_float32_verifier(tmp_path, caplog):
@@ -384,3 +390,28 @@ def test_sglang_config_parses_with_transformers_autoconfig(tmp_path):
         **(cfg.rope_scaling or {}),
     }
     assert rope["rope_theta"] == 50000.0 and rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+
+
+def test_recorded_block_is_validated_once(tmp_path):
+    """The eagle3_train block of config.json: engine one of the engines, aux_layers_hf three integers."""
+    from eagle3.export.reader import _recorded_block
+
+    good = {"engine": "vllm", "aux_layers_hf": [2, 15, 27]}
+    assert _recorded_block({"eagle3_train": good}, tmp_path) == {
+        **good,
+        "source": str(tmp_path / "config.json"),
+    }
+    with pytest.raises(
+        UserError,
+        match=r"config.json \(eagle3_train\): field 'engine' should be 'sglang' or 'vllm', "
+        r"got 'trtllm'; re-export with 04_train.py --export-only",
+    ):
+        _recorded_block({"eagle3_train": {**good, "engine": "trtllm"}}, tmp_path)
+    with pytest.raises(
+        UserError, match=r"field 'aux_layers_hf' should hold at least 3 item\(s\), got \[2, 15\]"
+    ):
+        _recorded_block({"eagle3_train": {**good, "aux_layers_hf": [2, 15]}}, tmp_path)
+    with pytest.raises(UserError, match=r"field 'aux_layers_hf\[1\]' should be a valid integer"):
+        _recorded_block({"eagle3_train": {**good, "aux_layers_hf": [2, "15", 27]}}, tmp_path)
+    with pytest.raises(UserError, match=r"the record should be a JSON object, got list"):
+        _recorded_block({"eagle3_train": [2, 15, 27]}, tmp_path)

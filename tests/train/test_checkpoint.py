@@ -74,7 +74,19 @@ def test_missing_key_and_no_checkpoint(tmp_path):
     bad["format"] = ckpt.FORMAT
     del bad["optimizer"]
     atomic_torch_save(bad, ckpt.ckpt_path(tmp_path, 5))
-    with pytest.raises(UserError, match="step_00000005.pt: missing key 'optimizer'"):
+    with pytest.raises(UserError, match="step_00000005.pt: field 'optimizer' is missing"):
+        ckpt.load_checkpoint(ckpt.ckpt_path(tmp_path, 5))
+    bad["optimizer"], bad["format"] = {}, "eagle3-train-ckpt-v0"
+    atomic_torch_save(bad, ckpt.ckpt_path(tmp_path, 5))
+    with pytest.raises(
+        UserError,
+        match="step_00000005.pt: field 'format' should be 'eagle3-train-ckpt-v1', got 'eagle3-train-ckpt-v0'",
+    ):
+        ckpt.load_checkpoint(ckpt.ckpt_path(tmp_path, 5))
+    atomic_torch_save([1, 2], ckpt.ckpt_path(tmp_path, 5))
+    with pytest.raises(
+        UserError, match="step_00000005.pt: the record should be a JSON object, got list"
+    ):
         ckpt.load_checkpoint(ckpt.ckpt_path(tmp_path, 5))
 
 

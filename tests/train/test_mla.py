@@ -166,7 +166,10 @@ def test_mla_param_names_and_json_round_trip():
     "change,message",
     [
         (dict(num_layers=2), "drafter.num_layers is 2 with attention mla"),
-        (dict(mla=None), "drafter.attention is mla but its sizes are missing"),
+        (
+            dict(mla=None),
+            r"drafter: field 'mla' should be a JSON object, got NoneType; set drafter.mla \(q_lora_rank,",
+        ),
         (dict(attention="gqa"), "drafter field 'attention' must be one of llama, mla"),
     ],
 )
@@ -181,7 +184,8 @@ def test_mla_size_refusal_names_the_key():
     a = _args().to_json()
     a["mla"] = {**a["mla"], "kv_lora_rank": 0}
     with pytest.raises(
-        UserError, match=r"drafter field 'mla.kv_lora_rank' must be an integer >= 1"
+        UserError,
+        match=r"drafter: field 'mla.kv_lora_rank' should be greater than 0, got 0; set drafter.mla",
     ):
         DrafterArgs(**a)
 
@@ -241,3 +245,36 @@ def test_mla_static_cache_decode_equals_batched_cache_decode():
         got = torch.cat([got, d.decode_static(ids[:, 6:], h[:, 6:], pos[:, 6:], cache)], dim=1)
     assert cache.k[0].shape == (1, HEADS, 16, 20) and cache.v[0].shape == (1, HEADS, 16, 10)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_from_json_refuses_an_unknown_or_missing_field():
+    a = _args().to_json()
+    with pytest.raises(UserError, match=r"^c.json: unknown drafter field 'rope_typo'$"):
+        DrafterArgs.from_json({**a, "rope_typo": 1}, source="c.json")
+    with pytest.raises(UserError, match=r"^c.json: missing drafter field 'head_dim'$"):
+        DrafterArgs.from_json({k: v for k, v in a.items() if k != "head_dim"}, source="c.json")
+    assert DrafterArgs.from_json(a) == _args()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(variant="eagle4"),
+            r"drafter field 'variant' must be one of eagle3, eagle3.1, got 'eagle4'",
+        ),
+        (dict(num_layers=1.5), r"drafter field 'num_layers' must be an integer >= 1, got 1.5"),
+        (dict(num_layers=True), r"drafter field 'num_layers' must be an integer >= 1, got True"),
+        (
+            dict(rms_norm_eps=0.0),
+            r"drafter field 'rms_norm_eps' must be a positive number, got 0.0",
+        ),
+        (
+            dict(hidden_size="64"),
+            r"drafter field 'hidden_size' must be a positive number, got '64'",
+        ),
+    ],
+)
+def test_field_refusals_name_the_field(change, message):
+    with pytest.raises(UserError, match=f"^{message}$"):
+        DrafterArgs(**{**_args().to_json(), **change})
