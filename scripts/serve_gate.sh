@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/serve-gate}
-bash scripts/setup_vllm.sh
+bash scripts/setup.sh       # the project's .venv (idempotent)
+bash scripts/setup_vllm.sh  # vLLM's own venv, reused when present
 . .venv/bin/activate
 export TOKENIZERS_PARALLELISM=false
 SETS=(--set "output_root=$OUT" --set verifier.dtype=float32 --set prompts.max_new_tokens=96
