@@ -123,7 +123,8 @@ def reasons(verdict: dict) -> list[str]:
 
 
 def markdown(report: dict) -> str:
-    """The gate's report as a Markdown table: one row per served folder (the candidate and each control)."""
+    """The gate's report as a Markdown table: one row per served folder (the candidate and each control), summed over
+    the prompts."""
     lines = [
         f"# Serve gate: {report['engine']} `method: {report['method']}`, {report['num_prompts']} prompts, "
         f"{report['steps']} draft steps, fp32 greedy",
@@ -131,8 +132,8 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`",
         "",
         "| folder | role | captured | trained | lossless | verify steps (served / 05) | accepted (served / 05) "
-        "| tau served | tau 05 | per position served | per position 05 | gate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tau served | tau 05 | per position served | per position 05 | served = 05 at the captured layers | gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["folders"]:
         v = c["verdict"]
@@ -147,10 +148,19 @@ def markdown(report: dict) -> str:
             f"{sum(x['verify_steps'] for x in s)} / {sum(x['verify_steps'] for x in q)} | "
             f"{sum(x['accepted'] for x in s)} / {sum(x['accepted'] for x in q)} | "
             f"{_f(v['served_tau'])} | {_f(v['predicted_tau'])} | {pos[0]} | {pos[1]} | "
-            f"{'pass' if v['passed'] else 'FAIL'} |"
+            f"{_at_captured(c)} | {'pass' if v['passed'] else 'FAIL'} |"
         )
     lines += ["", f"**Verdict: {'PASS' if report['passed'] else 'FAIL'}**: {report['summary']}", ""]
     return "\n".join(lines)
+
+
+def _at_captured(folder: dict) -> str:
+    """``yes (tau)`` / ``no (tau)``: whether the served counts equal 05's fed the layers the engine captured (the
+    ``served_equals_05_at_captured_layers`` and ``tau_05_at_captured_layers`` keys); ``-`` when not measured."""
+    if "served_equals_05_at_captured_layers" not in folder:
+        return "-"
+    same = "yes" if folder["served_equals_05_at_captured_layers"] else "no"
+    return f"{same} (tau {_f(folder['tau_05_at_captured_layers'])})"
 
 
 def _f(x: Optional[float]) -> str:

@@ -109,7 +109,18 @@ def test_markdown_sums_each_folder():
         "command": "python scripts/serve_gate.py",
         "passed": True,
         "summary": "the candidate passes, every control fails",
-        "folders": [{"name": "drafter-vllm", "role": "candidate", "verdict": v}],
+        "folders": [
+            {
+                "name": "drafter-vllm",
+                "role": "candidate",
+                "verdict": v,
+                "served_equals_05_at_captured_layers": True,
+                "tau_05_at_captured_layers": 1 + 4 / 3,
+            }
+        ],
     }
     row = "| drafter-vllm | candidate | [2, 15, 27] | [2, 15, 27] | 1/1 | 3 / 3 | 4 / 4 | 2.3333 | 2.3333 "
-    assert row + "| [2, 1, 1] | [2, 1, 1] | pass |" in gate.markdown(report).splitlines()
+    assert (
+        row + "| [2, 1, 1] | [2, 1, 1] | yes (tau 2.3333) | pass |"
+        in gate.markdown(report).splitlines()
+    )
