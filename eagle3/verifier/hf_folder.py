@@ -34,8 +34,8 @@ def write_hf_folder(
     """Write ``model`` (a transformers causal LM) and ``tokenizer`` to ``out_dir`` as an HF folder, weights in ``dtype``.
 
     Tied weights are written once (``lm_head.weight`` is left out when ``tie_word_embeddings``), as safetensors
-    requires. The folder is written beside ``out_dir`` under a temporary name and renamed into place, replacing an
-    earlier one: a crash leaves either the old folder or the new one.
+    requires. The folder is written beside ``out_dir`` as ``.{name}.tmp`` and renamed into place; an earlier folder
+    is first renamed to ``.{name}.old`` and removed after, so a crash never leaves a half-written ``out_dir``.
 
     Returns:
         ``out_dir`` as a Path.
