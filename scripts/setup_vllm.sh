@@ -16,6 +16,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --progress-bar off)
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, vllm  # noqa: E401
+from transformers import LlamaForCausalLM  # noqa: F401  (a model module: what a CUDA torchvision broke)
 assert "+cpu" in torch.__version__, torch.__version__
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 PY
