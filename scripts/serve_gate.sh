@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The serve gate end to end (CI runs it before the suite): vLLM's CPU build in its own venv (scripts/setup_vllm.sh,
+# reused when present), a small drafter trained by 01 -> 04 on the demo verifier (32 HumanEval prompts, fp32),
+# then scripts/serve_gate.py: vLLM serves the export (method eagle3) and three controls; exit 1 unless the
+# export passes and every control fails. Usage: bash scripts/serve_gate.sh [output folder]   (default runs/serve-gate)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/serve-gate}
+bash scripts/setup.sh       # the project's .venv (idempotent)
+bash scripts/setup_vllm.sh  # vLLM's own venv, reused when present
+. .venv/bin/activate
+export TOKENIZERS_PARALLELISM=false
+SETS=(--set "output_root=$OUT" --set verifier.dtype=float32 --set prompts.max_new_tokens=96
+      --set prompts.gen_batch_size=32 --set extract.max_length=512 --set train.epochs=4
+      --set train.warmup_ratio=0.1 --set export.engine=vllm)
+CFG=(--config configs/smollm2-135m.yaml "${SETS[@]}")
+if [ ! -f "$OUT/drafter-vllm/config.json" ]; then
+  python 01_prepare_prompts.py "${CFG[@]}" --limit 32
+  for stage in 02_extract_hidden 03_prepare_data 04_train; do python "$stage.py" "${CFG[@]}"; done
+fi
+python scripts/serve_gate.py "${CFG[@]}" --num-prompts 4 --max-new-tokens 64
