@@ -240,7 +240,11 @@ def test_missing_required_and_bad_yaml(tmp_path):
 def test_aux_layer_beyond_verifier_is_refused_with_the_layer_count():
     from eagle3.engines.layers import check_aux_layers
 
-    with pytest.raises(UserError, match=r"aux layer 30 is outside 1\.\.29 for a 30-layer verifier"):
+    with pytest.raises(
+        UserError,
+        match=r"^extract\.aux_layers: aux layers \[2, 15, 30\] must be exactly 3, strictly increasing, in 1\.\.29 "
+        r"for a 30-layer verifier",
+    ):
         check_aux_layers([2, 15, 30], 30)
 
 
