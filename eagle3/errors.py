@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
+from pydantic import TypeAdapter, ValidationError
+
 
 class UserError(Exception):
     """Bad input (file, config field, shard...). The CLI prints ``error: <message>`` and exits 2.
@@ -43,3 +47,14 @@ def refusal(err, where: str, fix: str = "") -> UserError:
         what = f"{e['msg'].removeprefix('Input ')}, got {got}"
     head = f"{where}: field '{loc}'" if loc else f"{where}: the record"
     return UserError(f"{head} {what}" + (f"; {fix}" if fix else ""))
+
+
+def validated(model, obj: Any, where: str, fix: str = "", context: Optional[dict] = None):
+    """``obj`` validated as ``model`` (a pydantic model class or a ``TypeAdapter``) and returned as that model;
+    the first fault raises :func:`refusal` ``(where, fix)``."""
+    try:
+        if isinstance(model, TypeAdapter):
+            return model.validate_python(obj, context=context)
+        return model.model_validate(obj, context=context)
+    except ValidationError as e:
+        raise refusal(e, where, fix) from None

@@ -22,12 +22,11 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
-    ValidationError,
 )
 
 from eagle3.capture.tokenize_pool import map_records
 from eagle3.chat.samples import conversation_samples
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io.read import iter_jsonl, relative_hint
 
 log = logging.getLogger(__name__)
@@ -95,10 +94,7 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
     for n, rec in iter_jsonl(path):
         if limit is not None and len(out) >= limit:
             break
-        try:
-            PromptRecord.model_validate(rec)
-        except ValidationError as e:
-            raise refusal(e, f"{path}:{n}", PROMPTS_FIX) from e
+        validated(PromptRecord, rec, f"{path}:{n}", PROMPTS_FIX)
         tools = rec.get("tools")
         out.append(
             {

@@ -24,14 +24,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     TypeAdapter,
-    ValidationError,
     ValidationInfo,
     field_validator,
 )
 
 from eagle3.capture.base import NUM_CAPTURED, BackendInfo
 from eagle3.engines.layers import engine_layer_ids
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io import read_json
 from eagle3.io.http import request_json
 from eagle3.io.read import safe_torch_load
@@ -201,17 +200,6 @@ class GenerateResult(_Loose):
 _RESULTS = TypeAdapter(list[GenerateResult])
 
 
-def _parse(model, obj, where: str, context: Optional[dict] = None):
-    """``model`` (a model class or a ``TypeAdapter``) validated from ``obj``; the first fault as one
-    :func:`eagle3.errors.refusal` line naming ``where`` and the field."""
-    try:
-        if isinstance(model, type):
-            return model.model_validate(obj, context=context)
-        return model.validate_python(obj, context=context)
-    except ValidationError as e:
-        raise refusal(e, where) from None
-
-
 class SGLangCapture:
     """:class:`eagle3.capture.base.CaptureBackend` backed by the patched SGLang server.
 
@@ -267,18 +255,18 @@ class SGLangCapture:
         """
         if self._info is not None:
             return self._info
-        model = _parse(
+        model = validated(
             ModelInfo, self._request("/model_info"), f"extract.sglang_url {self.url}/model_info"
         )
         where = f"extract.sglang_url {self.url}/server_info"
-        _parse(ServerInfo, self._request("/server_info"), where)
+        validated(ServerInfo, self._request("/server_info"), where)
         info_path = self.capture_dir / INFO_FILE
         if not info_path.is_file():
             raise UserError(
                 f"{info_path}: not found; is the server running patches/sglang_capture_launcher.py "
                 "with this --capture-dir, on this host?"
             )
-        cap = _parse(CaptureInfo, read_json(info_path), str(info_path))
+        cap = validated(CaptureInfo, read_json(info_path), str(info_path))
         arch = (model.architectures or [cap.architecture or "unknown"])[0]
         layers = cap.layers_to_capture
         if self.aux_layers is None:
@@ -342,7 +330,7 @@ class SGLangCapture:
         where = f"extract.sglang_url {self.url}/generate"
         try:
             resp = self._request("/generate", payload)
-            results = _parse(_RESULTS, [resp] if isinstance(resp, dict) else resp, where)
+            results = validated(_RESULTS, [resp] if isinstance(resp, dict) else resp, where)
             by_rid = {str(r.meta_info.id): r.meta_info for r in results}
             if len(results) != len(batch) or set(by_rid) != set(rids):
                 raise UserError(
@@ -380,5 +368,5 @@ class SGLangCapture:
             "last_hidden_state": self._info["last_hidden_state"],
             "hidden_size": H,
         }
-        f = _parse(CaptureFile, safe_torch_load(path), str(path), context)
+        f = validated(CaptureFile, safe_torch_load(path), str(path), context=context)
         return [t.to("cpu") for t in f.hidden_states]  # 4 x [L, H] bf16

@@ -29,14 +29,13 @@ from pydantic import (
     BaseModel,
     Field,
     StrictStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from eagle3.data.readers import Text, unique_ids, with_record_system
 from eagle3.data.record_files import iter_humaneval
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io.read import iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -167,10 +166,7 @@ def load_prompt_file(
         where = f"{path}:{lineno}"
         if isinstance(row, dict):  # a null key is an absent one (pandas' to_json)
             row = {k: v for k, v in row.items() if v is not None}
-        try:
-            rec = EvalRow.model_validate(row)
-        except ValidationError as e:
-            raise refusal(e, where, ROW_SHAPE) from e
+        rec = validated(EvalRow, row, where, ROW_SHAPE)
         msgs = with_record_system(rec.chat(), rec.system, where)
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
         cat = row.get("category")

@@ -15,12 +15,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     StrictInt,
-    ValidationError,
     ValidationInfo,
     field_validator,
 )
 
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io import atomic_torch_save
 from eagle3.io.read import safe_torch_load
 
@@ -258,10 +257,7 @@ def load_vocab_map(
         UserError (file and key): unreadable file, missing key, recorded sizes unlike the tensors', a bad map.
     """
     path = Path(path)
-    try:
-        obj = VocabMapFile.model_validate(safe_torch_load(path))
-    except ValidationError as e:
-        raise refusal(e, str(path), "re-run 03_prepare_data.py") from None
+    obj = validated(VocabMapFile, safe_torch_load(path), str(path), "re-run 03_prepare_data.py")
     d2t, t2d = obj.d2t, obj.t2d
     check_vocab_map(d2t, t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
     return {

@@ -8,10 +8,10 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, PositiveInt, field_validator
 
 from eagle3.drafter.attention import rope_inv_freq
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 
 VARIANTS = ("eagle3", "eagle3.1")
 """Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
@@ -131,12 +131,12 @@ class DrafterArgs:
                     "drafter field 'mla' is set but attention is llama; set drafter.attention: mla"
                 )
             return
-        try:
-            _MLABlock.model_validate({"mla": self.mla})
-        except ValidationError as e:
-            raise refusal(
-                e, "drafter", f"set drafter.mla ({', '.join(MLA_FIELDS)}) for attention mla"
-            ) from None
+        validated(
+            _MLABlock,
+            {"mla": self.mla},
+            "drafter",
+            f"set drafter.mla ({', '.join(MLA_FIELDS)}) for attention mla",
+        )
         if self.num_layers != 1:
             raise UserError(
                 f"drafter.num_layers is {self.num_layers} with attention mla; the engines' MLA draft classes "

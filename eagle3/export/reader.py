@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Annotated, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
@@ -22,7 +22,7 @@ from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import LABELS, Engine, others, spelled
 from eagle3.engines.layers import engine_layer_ids, hf_layers_from_engine, layer_id_convention
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.export.common import (
     CONFIG_BLOCK,
     EMBED_KEY,
@@ -185,12 +185,9 @@ def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
             src = root / META_FILE
     if block is None:
         return None
-    try:
-        _RecordedBlock.model_validate(block)
-    except ValidationError as e:
-        raise refusal(
-            e, f"{src} ({CONFIG_BLOCK})", "re-export with 04_train.py --export-only"
-        ) from None
+    validated(
+        _RecordedBlock, block, f"{src} ({CONFIG_BLOCK})", "re-export with 04_train.py --export-only"
+    )
     return dict(block, source=str(src))
 
 

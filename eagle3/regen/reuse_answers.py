@@ -15,10 +15,10 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ValidationError, field_validator
+from pydantic import BaseModel, field_validator
 
 from eagle3.capture.prompts import PromptRecord
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io import read_json
 from eagle3.io.read import iter_jsonl
 from eagle3.regen.resume_log import comparable_settings, older_fields_warning
@@ -76,12 +76,12 @@ def _read_rows(path: Path) -> list[dict]:
     except (OSError, EOFError) as e:
         raise UserError(f"{path}: prompts.reuse_answers: cannot read ({e})") from e
     for i, row in lines:
-        try:
-            PromptRecord.model_validate(row)
-        except ValidationError as e:
-            raise refusal(
-                e, f"{path}:{i}", "prompts.reuse_answers names an earlier 01 prompts file"
-            ) from e
+        validated(
+            PromptRecord,
+            row,
+            f"{path}:{i}",
+            "prompts.reuse_answers names an earlier 01 prompts file",
+        )
     return [row for _, row in lines]
 
 
@@ -89,12 +89,12 @@ def check_settings(report: dict, want: dict, report_file: Path) -> None:
     """Refuse an earlier report (:class:`EarlierReport`) whose settings differ from this run's ``want`` on a
     :data:`REGEN_KEYS` key (compared as :func:`eagle3.regen.resume_log.comparable_settings` gives them), naming the
     first; older ``answer_fields`` only warn (:func:`eagle3.regen.resume_log.older_fields_warning`)."""
-    try:
-        rec = EarlierReport.model_validate(report)
-    except ValidationError as e:
-        raise refusal(
-            e, f"{report_file}: prompts.reuse_answers", "name a regenerating 01 run's file"
-        ) from e
+    rec = validated(
+        EarlierReport,
+        report,
+        f"{report_file}: prompts.reuse_answers",
+        "name a regenerating 01 run's file",
+    )
     warning = older_fields_warning(
         report_file, rec.answer_fields, "prompts.reuse_answers: reusing answers"
     )

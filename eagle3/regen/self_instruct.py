@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from tqdm import tqdm
 
 from eagle3.chat.template import ChatOptions, render_text
 from eagle3.data.readers import dedupe_key, read_conversations
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 from eagle3.io.read import file_sha256
 from eagle3.verifier.load import (
@@ -396,10 +396,7 @@ def check_args(
     """One-line errors for a sampling flag out of range (:class:`SamplingFlags`) or an unusable ``--out``
     (:func:`_out_problem`; ``folder``: it was given with a trailing slash)."""
     args = dict(zip(_FLAGS, (num, temperature, top_p, max_query_tokens, min_chars)))
-    try:
-        SamplingFlags.model_validate(args)
-    except ValidationError as e:
-        raise refusal(e, "01 --self-instruct", "pass a value in that range") from e
+    validated(SamplingFlags, args, "01 --self-instruct", "pass a value in that range")
     problem = _out_problem(out, folder)
     if problem:
         raise UserError(f"--out {out}{'/' if folder else ''}: {problem}")

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import ConfigDict, ValidationError, create_model
+from pydantic import ConfigDict, create_model
 
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io import TMP_MARK, atomic_torch_save
 from eagle3.io import remove_stale_tmp as _remove_tmp
 from eagle3.io.read import safe_torch_load
@@ -118,10 +118,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     """Load (weights-only) and validate one checkpoint; UserError: unreadable, wrong format, missing key."""
     path = Path(path)
     state = safe_torch_load(path)
-    try:
-        _Head.model_validate(state)
-    except ValidationError as e:
-        raise refusal(e, str(path)) from None
+    validated(_Head, state, str(path))
     return state
 
 

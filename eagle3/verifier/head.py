@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io import atomic_path, file_not_found, read_json
 from eagle3.verifier.arch import (
     EMBED_TENSORS,
@@ -145,10 +145,9 @@ class TargetHead:
             tensors = load_file(str(path), device=str(device))
         except (SafetensorError, OSError, ValueError) as e:
             raise _unreadable(path, "corrupt safetensors file", e) from e
-        try:
-            rec = HeadFile.model_validate({**meta, **tensors})
-        except ValidationError as e:
-            raise refusal(e, str(path), "04 writes it: remove it and re-run 04") from e
+        rec = validated(
+            HeadFile, {**meta, **tensors}, str(path), "04 writes it: remove it and re-run 04"
+        )
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
         embed = cast(rec.embed)  # [V, Ht]
         lm_head = embed if rec.tied else cast(rec.lm_head)  # [V, Ht]
@@ -202,12 +201,12 @@ def _weight_map(folder: Path) -> dict[str, str]:
     """
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            return SafetensorsIndex.model_validate(read_json(index)).weight_map
-        except ValidationError as e:
-            raise refusal(
-                e, str(index), "the checkpoint's index maps tensor names to shard files"
-            ) from e
+        return validated(
+            SafetensorsIndex,
+            read_json(index),
+            str(index),
+            "the checkpoint's index maps tensor names to shard files",
+        ).weight_map
     single = folder / SINGLE_FILE
     if single.is_file():
         try:
@@ -282,14 +281,12 @@ def load_target_head_from_safetensors(
     folder = Path(folder)
     cfg_path = folder / "config.json"
     root = read_json(cfg_path)
-    try:
-        cfg = HeadConfig.model_validate(text_config(root))
-    except ValidationError as e:
-        raise refusal(
-            e,
-            str(cfg_path),
-            "the checkpoint's config.json needs it (in 'text_config' when it nests one)",
-        ) from e
+    cfg = validated(
+        HeadConfig,
+        text_config(root),
+        str(cfg_path),
+        "the checkpoint's config.json needs it (in 'text_config' when it nests one)",
+    )
     wm = _weight_map(folder)
     names = locate_head_tensors(folder, wm)
     tie = cfg.tie_word_embeddings

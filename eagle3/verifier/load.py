@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Annotated, Any, Optional, Protocol, Union
 
 import torch
-from pydantic import BaseModel, BeforeValidator, Field, StrictInt, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, StrictInt
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 from eagle3.io import read_json
 from eagle3.verifier.arch import cfg_get, drafter_head_dim, text_config
 
@@ -222,10 +222,8 @@ def config_eos_ids(vcfg: VerifierSpec) -> set[int]:
             continue
         for sub in (raw, raw.get("text_config")):
             if isinstance(sub, dict) and sub.get("eos_token_id") is not None:
-                try:
-                    out |= set(EosIds.model_validate(sub).eos_token_id)
-                except ValidationError as e:
-                    raise refusal(e, str(f), "a token id or a list of token ids") from e
+                ids = validated(EosIds, sub, str(f), "a token id or a list of token ids")
+                out |= set(ids.eos_token_id)
     return out
 
 
