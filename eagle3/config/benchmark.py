@@ -53,6 +53,13 @@ class BenchmarkConfig(Section):
         le=1,
         description="nucleus filter of the verifier's and the drafter's distributions at temperature > 0",
     )
+    rejection_sample_method: Literal["standard", "block"] = Field(
+        "standard",
+        description="the rule deciding sampled drafts at temperature > 0 (vLLM's speculative_config key of the same "
+        "name): 'standard' (each draft kept with probability min(1, p/q)) or 'block' (block verification, "
+        "arXiv 2403.10444: the chain judged as a whole, at least as many drafts kept in expectation); both emit "
+        "the verifier's distribution",
+    )
     context_lengths: list[StrictInt] = Field(
         default_factory=list,
         description="context-length buckets in prompt tokens (ascending upper edges, e.g. [1024, 2048, 4096, 8192]): "

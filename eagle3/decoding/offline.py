@@ -36,6 +36,7 @@ def bench_prompts(
     decoder: str = "auto",
     temperature: float = 0.0,
     top_p: float = 1.0,
+    rejection_sample_method: str = "standard",
 ) -> dict:
     """Greedy vs speculative decoding of tokenised prompts, batch by batch (longest first).
 
@@ -47,6 +48,7 @@ def bench_prompts(
         tie_tolerance: largest logit gap counted as a near-tie.
         decoder: ``batched`` | ``static`` | ``auto`` (:func:`resolve_decoder`).
         temperature, top_p: 0 = greedy; > 0 = sampling with a freshly seeded sampler.
+        rejection_sample_method: ``standard`` | ``block`` at temperature > 0 (:mod:`eagle3.decoding.sampling`).
 
     Returns:
         the set's ``bench.json`` row plus ``decoder`` and ``warm_up_seconds``.
@@ -54,7 +56,7 @@ def bench_prompts(
     Raises:
         UserError: ``static`` at temperature > 0 or at a batch size other than 1.
     """
-    sampler = make_sampler(temperature, top_p)
+    sampler = make_sampler(temperature, top_p, method=rejection_sample_method)
     mode = _decoder_mode(decoder, batch_size, next(verifier.parameters()).device, sampler)
     effective = effective_batch_size(batch_size, len(prompts_ids))
     settings = (aux_layers, steps, max_new_tokens, eos_ids)
@@ -73,6 +75,8 @@ def bench_prompts(
     bar.close()
     wall = time.perf_counter() - t_wall
     extra = {"decoder": mode, "warm_up_seconds": warm_s, "temperature": temperature, "top_p": top_p}
+    if temperature > 0:
+        extra["rejection_sample_method"] = rejection_sample_method
     if static is not None:
         extra["cuda_graphs"] = static.use_graphs
         extra["graph_error"] = static.graph_error
@@ -256,11 +260,12 @@ def warm_up(
     batch_size: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    rejection_sample_method: str = "standard",
 ) -> None:
     """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics), sampling at
     ``temperature`` > 0 as the timed runs will."""
     batch = [list(prompt)] * batch_size
-    sampler = make_sampler(temperature, top_p)
+    sampler = make_sampler(temperature, top_p, method=rejection_sample_method)
     greedy_generate_batch(verifier, batch, 8, eos, sampler=sampler)
     speculative_generate_batch(verifier, drafter, batch, aux_layers, steps, 8, eos, sampler=sampler)
 

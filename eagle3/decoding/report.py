@@ -149,7 +149,10 @@ SAMPLED_NOTE = (
 def _sampling(report: dict) -> str:
     """``temperature 0`` or ``temperature T, top-p P`` of a report (0 when it records none)."""
     t = report.get("temperature") or 0
-    return f"temperature {t:g}, top-p {report.get('top_p', 1.0):g}" if t else "temperature 0"
+    if not t:
+        return "temperature 0"
+    block = ", block verification" if report.get("rejection_sample_method") == "block" else ""
+    return f"temperature {t:g}, top-p {report.get('top_p', 1.0):g}{block}"
 
 
 def _lossless_cell(d: dict) -> str:

@@ -305,7 +305,9 @@ def run_offline(
         "aux_layers": list(aux_layers),
         "eos_ids": eos,
         "prompt_pick": bc.prompt_pick,
-        **bc.model_dump(include={"temperature", "top_p"}),  # > 0: sampled, no per-token verdict
+        **bc.model_dump(
+            include={"temperature", "top_p", "rejection_sample_method"}
+        ),  # T > 0: sampled
         "warnings": list(warnings) + list(logged),
         "not_checked": list(not_checked),
         "datasets": [],
@@ -329,7 +331,7 @@ def _bench_sets(cfg, models, sets, steps, max_new_tokens, eos, batch_size, tie_t
     ]
     check_context(tokenized, max_new_tokens, steps, verifier.config)  # before any set is decoded
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
-    sampling = {"temperature": cfg.benchmark.temperature, "top_p": cfg.benchmark.top_p}
+    sampling = cfg.benchmark.model_dump(include={"temperature", "top_p", "rejection_sample_method"})
     warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest, **sampling)
     rows = []
     for label, ids in tokenized:

@@ -93,10 +93,13 @@ def models():
     return tiny_models()
 
 
-def spec_rows(models, steps: int, temperature: float, top_p: float, seed: int = 0):
+def spec_rows(
+    models, steps: int, temperature: float, top_p: float, seed: int = 0, method="standard"
+):
     verifier, drafter = models
+    sampler = Sampler(temperature, top_p, seed, method)
     res = speculative_generate_batch(
-        verifier, drafter, [PROMPT] * N, AUX, steps, 3, sampler=Sampler(temperature, top_p, seed)
+        verifier, drafter, [PROMPT] * N, AUX, steps, 3, sampler=sampler
     )
     assert all(len(r.tokens) == 3 for r in res.rows)
     return res
@@ -128,7 +131,12 @@ def test_sampler_settings_and_their_config_bounds():
     assert sampling.make_sampler(0.0) is None
     s = sampling.make_sampler(0.7, 0.9, seed=3)
     assert (s.temperature, s.top_p, s.seed) == (0.7, 0.9, 3)
-    for bad in ({"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5}):
+    for bad in (
+        {"temperature": -0.5},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"rejection_sample_method": "x"},
+    ):
         with pytest.raises(ValidationError, match=next(iter(bad))):
             BenchmarkConfig(**bad)
 
@@ -159,9 +167,9 @@ def _synthetic(n: int, k: int = 2):
     return logits.expand(n, -1, -1), q.expand(n, -1, -1), targets
 
 
-def _verify_synthetic(n: int, seed: int = 0):
+def _verify_synthetic(n: int, seed: int = 0, method: str = "standard"):
     logits, q, targets = _synthetic(n)
-    s = Sampler(1.0, seed=seed)
+    s = Sampler(1.0, seed=seed, method=method)
     drafts = targets[s.draw(q.reshape(-1, 4))].view(n, -1)  # [n, k] drafts sampled from q
     a, tokens = s.verify(drafts, q, targets, logits)
     return a, tokens, logits, q, targets
@@ -196,19 +204,135 @@ def test_rejection_rule_negative_control_fails(monkeypatch):
     assert stat > 10 * critical(df), (stat, df)
 
 
+def test_block_rule_by_hand():
+    """Two drafts over V = 2; ``w``, ``h`` and the residual worked out in the comments."""
+    P = torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.3, 0.7]]])  # [1, k+1=3, 2]
+    Q = torch.tensor([[[1.0, 0.0], [0.2, 0.8], [0.0, 0.0]]])
+    d = torch.tensor(
+        [[0, 1]]
+    )  # x1 = 0: w1 = min(1, 0.5 / 1) = 0.5; x2 = 1: w2 = min(1, 0.5 * 0.1 / 0.8) = 0.0625
+    p_x, q_x = P[:, :2].gather(2, d[..., None])[..., 0], Q[:, :2].gather(2, d[..., None])[..., 0]
+    # r1 = max(0, 0.45 - 0.2) + max(0, 0.05 - 0.8) = 0.25 -> h1 = 0.25 / (0.25 + 1 - 0.5) = 1/3; h2 = w2
+    for u, want_a, want_w in [
+        (
+            [0.30, 0.50],
+            1,
+            0.5,
+        ),  # u1 <= 1/3, u2 > 0.0625: one draft kept, residual max(0, 0.5 p2 - q2)
+        (
+            [0.30, 0.05],
+            2,
+            0.0625,
+        ),  # u2 <= w2: both kept (standard would stop at x1: 0.30 * 1 < 0.5 keeps x1,
+        ([0.90, 0.50], 0, 1.0),  # x2: 0.05 * 0.8 < 0.1 keeps x2 too); neither passes: nothing kept
+    ]:
+        a, w = sampling.block_accept(p_x, q_x, P, Q, torch.tensor([u]))
+        assert (a.item(), w.item()) == (want_a, pytest.approx(want_w)), u
+    # a chain standard rejects at x1 (u1 = 0.6 >= p/q = 0.5) that block keeps whole: p2 = [0.2, 0.8], q2 = [0.5, 0.5],
+    # x2 = 1: w2 = min(1, 0.5 * 1.6) = 0.8 >= u2 = 0.7 (r1 = 0: h1 = 0)
+    P2 = torch.tensor([[[0.5, 0.5], [0.2, 0.8], [0.3, 0.7]]])
+    Q2 = torch.tensor([[[1.0, 0.0], [0.5, 0.5], [0.0, 0.0]]])
+    a, w = sampling.block_accept(torch.tensor([[0.5, 0.8]]), torch.tensor([[1.0, 0.5]]), P2, Q2,
+                                 torch.tensor([[0.6, 0.7]]))  # fmt: skip
+    assert (a.item(), w.item()) == (2, pytest.approx(0.8))
+    assert not sampling.accept(torch.tensor(0.5), torch.tensor(1.0), torch.tensor(0.6))
+
+
+def _block_expected_accepted(p: torch.Tensor, q_full: torch.Tensor) -> float:
+    """E[accepted drafts] of block verification with position-independent ``p [3, V]`` and ``q_full [2, V]`` (k = 2),
+    enumerating every draft pair: P(accepted = 2) = h2 = w2, P(accepted = 1) = h1 (1 - h2)."""
+    total = 0.0
+    V = p.shape[1]
+    for x1 in range(V):
+        for x2 in range(V):
+            pq = float(q_full[0, x1] * q_full[1, x2])
+            if pq == 0:
+                continue
+            w1 = min(1.0, float(p[0, x1] / q_full[0, x1]))
+            w2 = min(1.0, w1 * float(p[1, x2] / q_full[1, x2]))
+            r1 = float((w1 * p[1] - q_full[1]).clamp_min(0).sum())
+            h1 = r1 / (r1 + 1 - w1) if r1 + 1 - w1 > 0 else 1.0
+            total += pq * (2 * w2 + h1 * (1 - w2))
+    return total
+
+
+def test_block_rule_emits_p_and_keeps_more_drafts():
+    a, tokens, logits, q, targets = _verify_synthetic(N, method="block")
+    p = processed_probs(logits[0], 1.0).double()  # [k+1, 5]
+    stat, df = chi_square(torch.bincount(tokens[:, 0], minlength=5), p[0])
+    print(f"block rule, first token: chi2 {stat:.1f}, df {df}, threshold {critical(df):.1f}, N {N}")
+    assert stat < critical(df), (stat, df)
+    q_full = torch.zeros(2, 5, dtype=torch.float64).index_copy_(1, targets, q[0].double())
+    want = _block_expected_accepted(p, q_full)
+    standard = expected_tau(p[:2], q_full) - 1.0
+    got = a.double().mean().item()
+    print(f"block rule: accepted {got:.4f} sampled vs {want:.4f} exact; standard {standard:.4f}")
+    assert got == pytest.approx(want, abs=4 * a.double().std().item() / math.sqrt(N))
+    assert want > standard + 0.02  # the chain judged whole keeps more drafts here
+    assert set(a.tolist()) == {0, 1, 2}
+
+
+def _stream_pairs(method: str, k: int) -> tuple[float, int]:
+    """Chi-square of the first two emitted tokens against ``p x p`` when ``p [5]`` and ``q`` (draft ids 0..3 =
+    verifier ids 1..4) are the same at every position: the emitted stream is then i.i.d. ``p``, across rounds
+    (a row that emitted one token runs another round)."""
+    g = torch.Generator().manual_seed(3)
+    logits, q = (
+        torch.randn(5, generator=g) * 1.5,
+        torch.softmax(torch.randn(4, generator=g) * 1.5, -1),
+    )
+    targets, s = torch.arange(4) + 1, Sampler(1.0, method=method)
+    out: list[list[int]] = [[] for _ in range(N)]
+    while need := [i for i in range(N) if len(out[i]) < 2]:
+        qd = q.expand(len(need), k, 4)
+        drafts = targets[s.draw(qd.reshape(-1, 4))].view(len(need), k)
+        a, tokens = s.verify(drafts, qd, targets, logits.expand(len(need), k + 1, 5))
+        for j, i in enumerate(need):
+            out[i].extend(tokens[j, : a[j] + 1].tolist())
+    t = torch.tensor([o[:2] for o in out])
+    p = processed_probs(logits, 1.0).double()
+    return chi_square(torch.bincount(t[:, 0] * 5 + t[:, 1], minlength=25), torch.outer(p, p))
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_emitted_stream_is_iid_p(method):
+    stat, df = _stream_pairs(method, 3)
+    print(f"{method} stream pairs: chi2 {stat:.1f}, df {df}, threshold {critical(df):.1f}, N {N}")
+    assert stat < critical(df), (stat, df)
+
+
+def test_block_rule_negative_control_fails(monkeypatch):
+    """Block verification's residual needs the joint ratio ``w``: drawing it from ``max(0, p - q)`` (w = 1) is caught."""
+    keep = sampling.block_accept
+    monkeypatch.setattr(sampling, "block_accept", lambda *a: (keep(*a)[0], torch.ones(len(a[0]))))
+    stat, df = _stream_pairs("block", 3)
+    print(f"block negative control: chi2 {stat:.1f}, df {df}, threshold {critical(df):.1f}, N {N}")
+    assert stat > 2 * critical(df), (stat, df)
+
+
 # ---------------------------------------------------------------------------------------------
 # the decoders on a tiny verifier: the (2nd, 3rd) generated tokens against the exact joint
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("steps,temperature,top_p", [(1, 1.0, 1.0), (2, 0.7, 0.9)])
-def test_speculative_sampling_is_plain_sampling_in_distribution(models, steps, temperature, top_p):
+@pytest.mark.parametrize(
+    "steps,temperature,top_p,method",
+    [
+        (1, 1.0, 1.0, "standard"),
+        (2, 0.7, 0.9, "standard"),
+        (2, 1.0, 1.0, "block"),
+        (3, 0.7, 0.9, "block"),
+    ],
+)
+def test_speculative_sampling_is_plain_sampling_in_distribution(
+    models, steps, temperature, top_p, method
+):
     """Token 1 comes from the prefill; tokens 2 and 3 from the first verify rounds: accepted drafts, residual
     tokens and (one step) the bonus token. Their joint over 1,024 cells equals the verifier's."""
-    res = spec_rows(models, steps, temperature, top_p)
+    res = spec_rows(models, steps, temperature, top_p, method=method)
     stat, df = chi_square(
         joint_counts([r.tokens for r in res.rows]), exact_joint(models[0], temperature, top_p)
     )
     print(
-        f"speculative steps {steps} T {temperature} top-p {top_p}: chi2 {stat:.1f}, df {df}, "
+        f"speculative {method} steps {steps} T {temperature} top-p {top_p}: chi2 {stat:.1f}, df {df}, "
         f"threshold {critical(df):.1f}, N {N}"
     )
     assert stat < critical(df), (stat, df)
@@ -271,6 +395,15 @@ def test_bench_prompts_at_temperature_one(models):
     assert again["accepted_hist"] == row["accepted_hist"]  # each set starts from the seed
     with pytest.raises(UserError, match="'static' decodes at temperature 0 only"):
         sampled_row(models, decoder="static", batch_size=1)
+
+
+def test_bench_prompts_block_verification(models):
+    row = sampled_row(models, rejection_sample_method="block")
+    assert row["rejection_sample_method"] == "block" and row["failures"] == 0
+    assert [p["spec_tokens"] for p in row["per_prompt"]] == [10, 10, 10]
+    assert "rejection_sample_method" not in sampled_row(models, temperature=0.0)  # greedy: no rule
+    head = {"steps": 2, "temperature": 1.0, "top_p": 0.95, "rejection_sample_method": "block"}
+    assert report_mod._sampling(head) == "temperature 1, top-p 0.95, block verification"
 
 
 def test_bench_md_at_temperature_one(models):
