@@ -58,6 +58,7 @@
 #   SETS7     datasets of the 7-step benchmark (default mtbench; empty = none)
 #   SETS_T    datasets of a 3-step benchmark served by sampling at BENCH_T (default 1.0; empty, the default = none):
 #             bench-t-steps3.json in the results
+#   BLOCK_T   1 = SETS_T again with benchmark.rejection_sample_method=block: bench-tb-steps3.json (default 0)
 #   BENCH_FULL recipe names that get 05 on every set of the config + the 7-step run (default: every recipe); the
 #             others get 05 at 3 steps on BENCH_ABL (default mtbench) only: 05 is the costliest phase of a lease
 #   SPEED     1 = the speed benches of issues 21/22 in the same lease, each alone on the GPU: before 01,
@@ -106,7 +107,7 @@ SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX R
   BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
   REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
   ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK SELF_INSTRUCT
-  SI_EXCLUDE SI_ARGS SEED_NPROMPTS REGEN_SPEED_MAX_S PYTHON SETS_T BENCH_T)
+  SI_EXCLUDE SI_ARGS SEED_NPROMPTS REGEN_SPEED_MAX_S PYTHON SETS_T BENCH_T BLOCK_T)
 case "${1:-}" in
   start) lease_start_settings "$W" "${SETTINGS[@]}" ;;
   wait|pack|stop|finish) lease_load_settings "$W" ;;
@@ -443,6 +444,11 @@ recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) a
     phase "${name}_05t" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
         --set "benchmark.output_dir=$r/bench-t" --set "benchmark.temperature=${BENCH_T:-1.0}" --steps 3 \
         --datasets $SETS_T
+    if [ "${BLOCK_T:-0}" = 1 ]; then
+      phase "${name}_05tb" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
+          --set "benchmark.output_dir=$r/bench-tb" --set "benchmark.temperature=${BENCH_T:-1.0}" \
+          --set benchmark.rejection_sample_method=block --steps 3 --datasets $SETS_T
+    fi
   fi
 }
 
@@ -540,6 +546,7 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
     [ -e "$r/data_dir" ] && dr="$(cat "$r/data_dir")/data_report.json"  # the recipe's own 03 (data.* keys)
     for f in "$dr" "$ROOT"/prompts_report.json; do [ -e "$f" ] && cp "$f" "$res/runs/$name/"; done
     [ -e "$r/bench-t/bench.json" ] && cp "$r/bench-t/bench.json" "$res/runs/$name/bench-t-steps3.json"
+    [ -e "$r/bench-tb/bench.json" ] && cp "$r/bench-tb/bench.json" "$res/runs/$name/bench-tb-steps3.json"
     for k in 3 7; do
       [ -e "$r/bench-steps$k/bench.json" ] && "$PY" - "$r/bench-steps$k/bench.json" "$res/runs/$name" "$k" <<'PYEOF'
 import json, sys
