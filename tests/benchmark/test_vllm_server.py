@@ -440,3 +440,20 @@ def test_cli_server_mode_against_vllm(tmp_path, tiny_llama_dir):
         md.startswith("# vLLM server benchmark (p, 3 prompts")
         and "vLLM's spec-decode counters" in md
     )
+
+
+def test_the_readme_vllm_serve_commands_pass_05s_checks():
+    """Each ``--speculative-config`` README.md gives vLLM, served by the stand-in, is one 05 --server accepts:
+    method eagle3 (never the eagle path that drops the aux states), a drafter-vllm folder, the benchmark's 3 steps."""
+    import re
+
+    from conftest import ROOT
+
+    configs = re.findall(r"--speculative-config '(\{[^']*\})'", (ROOT / "README.md").read_text())
+    assert len(configs) >= 2  # the demo's and Kimi's
+    for c in map(json.loads, configs):
+        assert (Path(c["model"]).name, c["num_speculative_tokens"]) == ("drafter-vllm", STEPS)
+        with _VllmStandIn(method=c["method"], draft=c["model"]) as s:
+            info = server_info(s.url)
+            assert info["speculative_algorithm"] == "eagle3"
+            assert check_speculative_algorithm(s.url, info) is None
