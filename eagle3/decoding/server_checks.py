@@ -25,7 +25,9 @@ from eagle3.decoding.checks import (
 from eagle3.decoding.server import served_model_path, server_info
 from eagle3.engines import LABELS
 from eagle3.errors import UserError
+from eagle3.export.common import WEIGHTS_FILE
 from eagle3.export.reader import check_export_folder, preflight_export
+from eagle3.io.read import file_sha256
 from eagle3.shards.data_config import read_data_config
 from eagle3.shards.format import DATA_CONFIG
 from eagle3.verifier.load import weights_fingerprint
@@ -58,15 +60,17 @@ def draft_folder_warnings(
     weights: Optional[str],
     shards_dir: Path,
     timeout: float = 30.0,
+    export_dir: Optional[Path] = None,
 ) -> tuple[list[str], dict]:
     """Check the draft folder a server names (SGLang ``/server_info`` ``speculative_draft_model_path``, vLLM's
     ``speculative_config.model``) when readable here: refuse an export for the other engine, warn on captured layers
-    other than the shards', on more draft steps than the drafter's ``ttt_length``, on another verifier. When the
-    folder is not readable or not named, one warning says which checks were not made.
+    other than the shards', on more draft steps than the drafter's ``ttt_length``, on another verifier, on weights
+    other than those of the run's ``export_dir`` for the same engine (:func:`_export_lines`). When the folder is not
+    readable or not named, one warning says which checks were not made.
 
     Returns:
         ``(warnings, record)``: ``record`` = ``{"url", "engine", "path", "speculative_num_steps", "readable",
-        "not_checked"}`` (``server_bench.json`` key ``draft_folder``).
+        "not_checked"}``, and ``same_weights_as_export`` when compared (``server_bench.json`` key ``draft_folder``).
 
     Raises:
         UserError: the folder is for the other engine or its layer ids contradict its metadata.
@@ -91,7 +95,36 @@ def draft_folder_warnings(
     rec["readable"] = True
     out = _drafter_verifier_lines(Path(path), verifier_name, weights, rec)
     out += _steps_lines(url, Path(path), steps, rec, engine)
+    out += _export_lines(url, Path(path), export_dir, engine, rec)
     return out + _folder_lines(path, shards_dir, rec, engine), rec
+
+
+def _export_lines(
+    url: str, path: Path, export_dir: Optional[Path], engine: str, rec: dict
+) -> list[str]:
+    """For :func:`draft_folder_warnings`: the served folder's ``model.safetensors`` against the run's export of the
+    same engine (sha256; not compared when ``export_dir`` is None, not an export here, or for the other engine):
+    the warning line when they differ, ``rec["same_weights_as_export"]`` when compared."""
+    if export_dir is None or Path(export_dir).resolve() == path.resolve():
+        if export_dir is not None:
+            rec["same_weights_as_export"] = True
+        return []
+    mine, theirs = Path(export_dir) / WEIGHTS_FILE, path / WEIGHTS_FILE
+    try:
+        if check_export_folder(export_dir)["engine"] != engine or not (
+            theirs.is_file() and mine.is_file()
+        ):
+            return []
+    except UserError:  # no export of this run here
+        return []
+    rec["same_weights_as_export"] = file_sha256(mine) == file_sha256(theirs)
+    if rec["same_weights_as_export"]:
+        return []
+    return [
+        f"{url}: the server's draft folder {path} holds other weights than the run's export {export_dir} "
+        f"({theirs} and {mine} differ): 05 measures the served drafter, not this run's; serve {export_dir}, or "
+        f"check that {path} is the drafter you mean to measure"
+    ]
 
 
 def _steps_lines(url: str, path: Path, steps: Optional[int], rec: dict, engine: str) -> list[str]:
@@ -382,7 +415,7 @@ def check_servers(
     for url in urls:
         check_speculative_algorithm(url, server_info(url), export_dir)
     name, fp = vcfg.display_name(), weights_fingerprint(vcfg)
-    notes, folder = draft_folder_warnings(urls[0], name, fp, shards_dir)
+    notes, folder = draft_folder_warnings(urls[0], name, fp, shards_dir, export_dir=export_dir)
     model_notes, served = served_model_warnings(vcfg, urls)
     other_template, template_unchecked = template_check(
         shards_dir, tokenizer, chat, say_missing=True

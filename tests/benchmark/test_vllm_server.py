@@ -457,3 +457,37 @@ def test_the_readme_vllm_serve_commands_pass_05s_checks():
             info = server_info(s.url)
             assert info["speculative_algorithm"] == "eagle3"
             assert check_speculative_algorithm(s.url, info) is None
+
+
+def test_a_served_drafter_other_than_the_runs_export_is_said(tmp_path):
+    """The folder the server names against the run's export of the same engine: a copy passes (recorded), other
+    weights are one warning line; an export for the other engine is not compared."""
+    import shutil
+
+    from test_export import LLAMA30, drafter
+
+    from eagle3.export.writer import export_drafter
+
+    mine = _export(tmp_path, "vllm")
+    copy = tmp_path / "copy" / "drafter-vllm"
+    shutil.copytree(mine, copy)
+    other = export_drafter(
+        drafter(seed=1), tmp_path / "other", "vllm", [2, 15, 27], LLAMA30, ttt_length=STEPS
+    )
+    sg = _export(tmp_path, "sglang")
+    for served, export, same in ((copy, mine, True), (other, mine, False), (other, sg, None)):
+        with _VllmStandIn(draft=str(served)) as s:
+            lines, rec = draft_folder_warnings(
+                s.url, "tiny/llama-30", None, tmp_path / "no-shards", export_dir=export
+            )
+        assert rec.get("same_weights_as_export") is same
+        said = [w for w in lines if "holds other weights than the run's export" in w]
+        assert said == (
+            []
+            if same is not False
+            else [
+                f"{s.url}: the server's draft folder {other} holds other weights than the run's export {mine} "
+                f"({other / 'model.safetensors'} and {mine / 'model.safetensors'} differ): 05 measures the served "
+                f"drafter, not this run's; serve {mine}, or check that {other} is the drafter you mean to measure"
+            ]
+        )
