@@ -139,11 +139,10 @@ def vllm_server_info(url: str, timeout: float = 30.0) -> dict:
         pass
     try:
         full = _http(base + "/server_info?config_format=json", timeout=timeout)
-        config = full["vllm_config"]
-        spec = config.get("speculative_config") or {}
+        spec = full["vllm_config"].get("speculative_config") or {}
     except (UserError, KeyError, TypeError, AttributeError):
         spec = None
-    if spec is not None:
+    if isinstance(spec, dict):
         info.update(
             server_info=True,
             speculative_algorithm=spec.get("method"),
@@ -152,7 +151,10 @@ def vllm_server_info(url: str, timeout: float = 30.0) -> dict:
             steps_from="/server_info",
         )
         return info
-    steps = len(vllm_counters(url, timeout)["accepted_per_pos"])
+    try:
+        steps = len(vllm_counters(url, timeout)["accepted_per_pos"])
+    except UserError:  # /metrics closed: the steps stay unknown
+        steps = 0
     if steps:
         info.update(speculative_num_steps=steps, steps_from="/metrics")
     return info

@@ -32,9 +32,9 @@ from eagle3.shards.data_config import read_data_config
 from eagle3.shards.format import DATA_CONFIG
 from eagle3.verifier.load import weights_fingerprint
 
-#: per engine: the server setting that names the draft steps, the algorithm flag an EAGLE-3 drafter needs, the
-#: algorithm values that serve no EAGLE-3 drafter (their draft captures no aux hidden states: tau ~1.0; SGLang
-#: resolves NEXTN to EAGLE) and how the server's settings are made readable
+#: per engine: the server setting that names the draft steps, where the algorithm is reported, the algorithm an
+#: EAGLE-3 drafter needs, the algorithms that serve none (their draft captures no aux hidden states: tau ~1.0; SGLang
+#: 0.5.23 resolves NEXTN to EAGLE) and the flag to relaunch with (``{draft}``, ``{steps}`` filled in)
 ENGINE_FLAGS = {
     "sglang": {
         "steps": "--speculative-num-steps",
@@ -226,6 +226,8 @@ def _unreadable_vllm_draft_folder(
     :func:`eagle3.decoding.server.vllm_server_info`)."""
     k = f" {steps}" if steps is not None else ""
     if not info.get("server_info"):
+        if "speculative_num_steps" not in info:  # no spec-decode counters either: a plain server
+            return ""
         why = (
             f"{url}/server_info did not answer (vLLM serves it only when started with VLLM_SERVER_DEV_MODE=1), so "
             f"the server's speculative method and draft folder are unknown"

@@ -394,8 +394,12 @@ def test_vllm_draft_folder_checks(tmp_path):
             "folder's eagle3_train.json ttt_length"
         ]
     )
-    with _VllmStandIn(speculative=False) as s:
-        assert draft_folder_warnings(s.url, "x", None, tmp_path)[0] == []
+    for dev_mode in (
+        True,
+        False,
+    ):  # a plain server: nothing to say (run_server_bench says it did not draft)
+        with _VllmStandIn(speculative=False, dev_mode=dev_mode) as s:
+            assert draft_folder_warnings(s.url, "x", None, tmp_path)[0] == []
 
 
 def test_cli_server_mode_against_vllm(tmp_path, tiny_llama_dir):
