@@ -73,6 +73,9 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _POSITION = re.compile(r'position="(\d+)"')
 
 
+#: a vLLM request's own counts (:func:`_counted`, one request in flight): ``per_request`` keys
+VLLM_REQUEST_KEYS = ("verify_steps", "accepted_drafts", "accepted_per_pos")
+
 #: the line 05 --server logs when the first server ran no verify step, per engine
 NOT_SPECULATIVE = {
     "sglang": "server {url} reported no spec_verify_ct: was it started with --speculative-algorithm EAGLE3?",
@@ -316,7 +319,8 @@ def bench_server(
         ``steps``, ``verify_steps``, ``tau``, ``accepted_hist``, ``conditional``, ``unconditional`` and, SGLang,
         ``sglang_accept_length``, ``mean_spec_accept_length``, ``reported_accepted_hist`` (as reported),
         ``histogram_trims`` (``accepted_hist`` is the emitted one), vLLM, ``accepted_drafts``, ``draft_tokens``,
-        ``accepted_per_pos`` (:func:`_vllm_figures`); ``per_request``.
+        ``accepted_per_pos`` (:func:`_vllm_figures`); ``per_request`` (vLLM at concurrency 1: each request's own
+        :data:`VLLM_REQUEST_KEYS`).
 
     Raises:
         UserError: the server cannot be reached or answers malformed responses.
@@ -324,6 +328,8 @@ def bench_server(
     engine = detect_engine(url)
     info = server_info(url, engine=engine)
     send = vllm_generate if engine == "vllm" else generate
+    if engine == "vllm" and concurrency == 1:
+        send = _counted
     send(url, prompts_ids[0][1], min(8, max_new_tokens), timeout)  # warm-up
     before = vllm_counters(url) if engine == "vllm" else None
     results, wall = _send_all(
@@ -373,6 +379,22 @@ def bench_server(
         log.warning("%s", w)
     res["per_request"] = per_req
     return res
+
+
+def _counted(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 600.0) -> dict:
+    """:func:`vllm_generate` with the request's own counts in its ``meta_info`` (:data:`VLLM_REQUEST_KEYS`): the
+    counter deltas around it, exact while it is the only request in flight (vLLM 0.32's ``AsyncLLM`` records a
+    step's stats before the HTTP answer can go out)."""
+    before = vllm_counters(url)
+    out = vllm_generate(url, input_ids, max_new_tokens, timeout)
+    d = counters_delta(before, vllm_counters(url))
+    if d["present"]:
+        out["meta_info"].update(
+            verify_steps=d["drafts"],
+            accepted_drafts=d["accepted"],
+            accepted_per_pos=d["accepted_per_pos"],
+        )
+    return out
 
 
 def _vllm_figures(delta: dict) -> dict:
@@ -471,7 +493,7 @@ def _tally_requests(prompts_ids: Sequence[tuple[str, list[int]]], results: list[
             "seconds": r["seconds"],
             "output_ids": r["output_ids"],
         }
-        row.update({k: m[k] for k in SPEC_KEYS if k in m})
+        row.update({k: m[k] for k in (*SPEC_KEYS, *VLLM_REQUEST_KEYS) if k in m})
         vct = int(m.get("spec_verify_ct") or 0)
         if vct > 0:
             verify += vct

@@ -254,6 +254,24 @@ def test_bench_server_reads_taus_from_the_counters_around_the_run(concurrency):
     assert res["unconditional"] == pytest.approx([1, 4 / 12, 2 / 12])
     assert res["tau"] == pytest.approx(1 + sum(res["unconditional"]))
     assert res["completion_tokens"] == 30 and res["warnings"] == []
+    # one request in flight: each row holds its own counts (the deltas around it), summing to the run's
+    own = [_count(_fresh(), ids, 10) for _, ids in PROMPTS]
+    rows = [
+        {k: r.get(k) for k in ("verify_steps", "accepted_drafts", "accepted_per_pos")}
+        for r in res["per_request"]
+    ]
+    assert rows == (
+        [
+            {
+                "verify_steps": c["drafts"],
+                "accepted_drafts": c["accepted"],
+                "accepted_per_pos": c["per_pos"],
+            }
+            for c in own
+        ]
+        if concurrency == 1
+        else [dict.fromkeys(rows[0])] * len(PROMPTS)
+    )
     assert [r["output_ids"] for r in res["per_request"]] == [
         [(sum(ids) + i) % 1000 for i in range(10)] for _, ids in PROMPTS
     ]
