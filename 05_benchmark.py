@@ -12,7 +12,8 @@ Each difference from greedy is listed with its logit gap; gaps up to --tie-toler
 are listed in bench.json/bench.md instead (use --set verifier.dtype=float32 for a strict check).
 
 Server mode (--server URL [URL2], or benchmark.server_urls in the config): benchmark a running SGLang server
-started with --speculative-algorithm EAGLE3 (URL2 = same verifier without speculation, for the speedup) ->
+started with --speculative-algorithm EAGLE3, or a vLLM server with --speculative-config '{"method": "eagle3", ...}'
+(told apart by /v1/models; tau from its /metrics counters), URL2 = same verifier without speculation, for the speedup ->
 {bench_dir}/server_bench.json, server_bench.md, server_acceptance.png ({bench_dir}/server-<set>/ per set when
 several are given); the sets are --datasets, else the config's benchmark.datasets when it sets them, else mtbench.
 Each report written is printed as a `report: PATH` line.
@@ -80,7 +81,7 @@ def main(argv=None):
         nargs="+",
         type=http_url,
         metavar="URL",
-        help="SGLang server URL (EAGLE3) [+ baseline server URL] (default: benchmark.server_urls; server mode when either is set)",
+        help="SGLang (EAGLE3) or vLLM (eagle3) server URL [+ baseline server URL] (default: benchmark.server_urls; server mode when either is set)",
     )
     p.add_argument(
         "--concurrency",

@@ -65,6 +65,7 @@ EXTERNAL_FLAGS = {
     "--speculative-eagle-topk",
     "--speculative-num-draft-tokens",
     "--speculative-config",
+    "--model",
     "--tensor-parallel-size",
     "--served-model-name",
     "--chunked-prefill-size",

@@ -247,11 +247,14 @@ def _json_bytes(report: dict) -> bytes:
 
 def render_server_markdown(report: dict) -> str:
     """Markdown table of a server benchmark report (``server_bench.json``)."""
+    vllm = report.get("engine") == "vllm"
     lines = [
-        f"# SGLang server benchmark ({report['dataset']}, {report['num_prompts']} prompts, temperature 0, "
-        f"max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})",
+        f"# {'vLLM' if vllm else 'SGLang'} server benchmark ({report['dataset']}, {report['num_prompts']} prompts, "
+        f"temperature 0, max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})",
         "",
-        "tau: tokens emitted by verify steps / verify steps (the last step of a request counted up to "
+        "tau: 1 + accepted drafts / drafts, vLLM's spec-decode counters at /metrics over the run."
+        if vllm
+        else "tau: tokens emitted by verify steps / verify steps (the last step of a request counted up to "
         "the cut at EOS / max_new_tokens); SGLang's spec_accept_length also counts the prefill token.",
         "",
     ]

@@ -1,4 +1,4 @@
-"""JSON over HTTP (``requests``): one call, one connection, every failure one :class:`HTTPFailure`."""
+"""JSON (and text) over HTTP (``requests``): one call, one connection, every failure one :class:`HTTPFailure`."""
 
 from __future__ import annotations
 
@@ -40,6 +40,29 @@ def request_json(
             ``where`` defaults to ``url``.
     """
     where = where or url
+    r = _request(url, payload, timeout, where, unreachable, headers)
+    try:
+        return r.json()
+    except ValueError as e:
+        raise HTTPFailure(f"{where}: response is not JSON: {r.content[:120]!r}", True) from e
+
+
+def request_text(
+    url: str,
+    timeout: float = 600.0,
+    where: Optional[str] = None,
+    unreachable: str = "server not reachable",
+) -> str:
+    """GET ``url``; the body as text (e.g. a Prometheus ``/metrics`` page).
+
+    Raises:
+        HTTPFailure: as :func:`request_json`, bar the JSON line.
+    """
+    return _request(url, None, timeout, where or url, unreachable, None).text
+
+
+def _request(url, payload, timeout, where, unreachable, headers) -> requests.Response:
+    """GET (``payload`` None) or POST JSON; the response of status < 400, else :class:`HTTPFailure`."""
     lead = f"{where}: {unreachable}: " if unreachable else f"{where}: "
     method = "GET" if payload is None else "POST"
     try:
@@ -53,7 +76,4 @@ def request_json(
             f"{where}: HTTP {r.status_code}: {lines[0][:300] if lines else r.reason}",
             r.status_code >= 500 or r.status_code in (408, 429),
         )
-    try:
-        return r.json()
-    except ValueError as e:
-        raise HTTPFailure(f"{where}: response is not JSON: {r.content[:120]!r}", True) from e
+    return r

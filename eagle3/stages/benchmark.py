@@ -4,7 +4,7 @@ Offline (:func:`run`): greedy vs chain speculative decoding of each set in one r
 against greedy's (:mod:`eagle3.decoding.offline`); on CPU (float32) a difference beyond ``benchmark.tie_tolerance``
 fails the run after the reports (``bench.json``, ``bench.md``, ``acceptance.png``) are written. At
 ``benchmark.temperature`` > 0: both decoders sample, lossless in distribution (:mod:`eagle3.decoding.sampling`). Server
-(:func:`run_server`): a running SGLang server's tau and speedup (:mod:`eagle3.decoding.server`). Both hold
+(:func:`run_server`): a running SGLang or vLLM server's tau and speedup (:mod:`eagle3.decoding.server`). Both hold
 ``{bench_dir}/.bench.lock`` and refuse an unwritable bench folder before any work.
 """
 
@@ -389,7 +389,7 @@ def run_server(
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = vf.load_tokenizer(cfg.verifier)
     chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
-    notes, checked = check_servers(urls, cfg.verifier, cfg.shards_dir, tok, chat)  # in each report
+    notes, checked = check_servers(urls, cfg.verifier, cfg.shards_dir, tok, chat, cfg.export_dir)
     for w in notes:
         log.warning("%s", w)
     labels = eval_prompts.dataset_labels(datasets)

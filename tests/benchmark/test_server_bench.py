@@ -760,6 +760,7 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(
         )  # tpl: no shards here, so no template check
         assert rep["draft_folder"] == {
             "url": url,
+            "engine": "sglang",
             "path": draft,
             "speculative_num_steps": STEPS,
             "readable": False,
@@ -956,7 +957,8 @@ def test_server_info_speculative_num_steps_that_is_not_an_integer_falls_back_to_
 def test_a_server_running_the_eagle_algorithm_is_refused_by_name(tmp_path):
     """An SGLang server started with ``--speculative-algorithm EAGLE`` (not EAGLE3) serves an EAGLE-3 drafter with
     no aux hidden states (tau ~1.0, no error): 05 --server's checks refuse it in one line naming the server and the
-    fix; EAGLE3 and a plain server pass the check."""
+    fix (no export folder readable: "an EAGLE-3 drafter"; with one, test_vllm_server names it); EAGLE3 and a plain
+    server pass the check."""
     from eagle3.decoding.server_checks import check_speculative_algorithm
 
     for algo in ("EAGLE", "eagle"):
@@ -965,7 +967,7 @@ def test_a_server_running_the_eagle_algorithm_is_refused_by_name(tmp_path):
                 check_speculative_algorithm(s.url, server_info(s.url))
         assert str(e.value) == (
             f"{s.url}/server_info speculative_algorithm is {algo!r}, but an EAGLE-3 drafter needs 'EAGLE3' "
-            "(SGLang's EAGLE path captures no aux hidden states: tau ~1.0); restart the server with "
+            f"(SGLang's {algo} path captures no aux hidden states: tau ~1.0); restart the server with "
             "--speculative-algorithm EAGLE3"
         )
     for spec in (True, False):

@@ -359,6 +359,7 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     )
     assert rec == {
         "url": "http://x",
+        "engine": "sglang",
         "path": str(tmp_path / "not-here"),
         "speculative_num_steps": 3,
         "readable": False,
