@@ -354,7 +354,7 @@ def test_args_without_variant_are_eagle3_and_bad_variant_refused():
     assert j["variant"] == "eagle3.1" and DrafterArgs.from_json(j) == a
     old = {k: v for k, v in j.items() if k != "variant"}
     assert DrafterArgs.from_json(old).variant == "eagle3"
-    with pytest.raises(UserError, match="drafter field 'variant' must be one of eagle3, eagle3.1"):
+    with pytest.raises(UserError, match="drafter: field 'variant' should be 'eagle3' or 'eagle3.1'"):
         DrafterArgs(**dict(old, variant="eagle4"))
     # resume: an old checkpoint (no variant) is an eagle3 drafter
     check_drafter_args("step.pt", old, dict(old, variant="eagle3"))
