@@ -117,8 +117,9 @@ class DrafterArgs:
             own = err["type"] == "unexpected_keyword_argument" or (
                 err["type"] == "value_error" and field == "mla"
             )
-            fix = "" if own else _FIXES.get(field, f"set drafter.{field}")
-            raise refusal(e, (info.context or {}).get("where", "drafter"), fix) from None
+            ctx = info.context or {}
+            fix = ctx.get("fix") or _FIXES.get(field, f"set drafter.{field}")
+            raise refusal(e, ctx.get("where", "drafter"), "" if own else fix) from None
 
     @field_validator("num_key_value_heads")
     @classmethod
@@ -181,8 +182,11 @@ class DrafterArgs:
         return d
 
     @classmethod
-    def from_json(cls, obj: dict | str, source: str = "drafter args") -> "DrafterArgs":
-        """Build from :meth:`to_json` output (a dict or its JSON text).
+    def from_json(
+        cls, obj: dict | str, source: str = "drafter args", fix: Optional[str] = None
+    ) -> "DrafterArgs":
+        """Build from :meth:`to_json` output (a dict or its JSON text); ``fix`` replaces the refusal's advice
+        (default ``set drafter.<field>``).
 
         Raises:
             UserError: a field missing, unknown or invalid, naming it and ``source``.
@@ -190,7 +194,7 @@ class DrafterArgs:
         if isinstance(obj, str):
             obj = json.loads(obj)
         return cls.__pydantic_validator__.validate_python(
-            ArgsKwargs((), obj), context={"where": source}
+            ArgsKwargs((), obj), context={"where": source, "fix": fix}
         )
 
     @property

@@ -204,14 +204,3 @@ def _check_tensor_shapes(sd: dict, a: DrafterArgs, vh: int, vv: int) -> None:
                 f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
                 f"{why.get(key, list(want.shape))}"
             )
-
-
-def need(cfg: dict, key: str, where):
-    """``cfg[key]``, required.
-
-    Raises:
-        UserError: ``<where>: missing config key '<key>'`` (absent or null).
-    """
-    if key not in cfg or cfg[key] is None:
-        raise UserError(f"{where}: missing config key '{key}'")
-    return cfg[key]

@@ -231,7 +231,7 @@ def test_unexpected_tensor_and_bad_config_on_load(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     del cfg["intermediate_size"]
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match=r"config\.json: missing config key 'intermediate_size'"):
+    with pytest.raises(UserError, match=r"config\.json: field 'intermediate_size' is missing; re-export"):
         load_exported(out, embed_weight=d.embed_tokens.weight)
 
 
