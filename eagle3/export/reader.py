@@ -209,7 +209,7 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
         ``(config.json path, engine, DrafterArgs, weights path, warnings)``.
 
     Raises:
-        UserError: as :func:`load_exported` for ``config.json``; the weights file missing, or not a readable
+        UserError: as :func:`load_exported` for ``config.json``; the weights file missing or not a readable
             safetensors file (naming it).
     """
     root = Path(path)
@@ -217,8 +217,6 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
     engine, args = _args_from_config(cfg, cfg_path)
     warnings = check_export_folder(root)["warnings"]
     wpath = root / WEIGHTS_FILE
-    if not wpath.is_file():
-        raise UserError(f"{wpath}: file not found")
     try:
         with safe_open(str(wpath), framework="pt") as f:
             f.keys()
@@ -228,7 +226,9 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
 
 
 def _unreadable(wpath: Path, e: Exception) -> UserError:
-    """``<file>: unreadable safetensors file: <first line of the error>``."""
+    """``<file>: file not found``, else ``<file>: unreadable safetensors file: <first line of the error>``."""
+    if isinstance(e, FileNotFoundError):
+        return UserError(f"{wpath}: file not found")
     return UserError(
         f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     )
@@ -390,20 +390,18 @@ def _verifier_embedding(
     Raises:
         UserError: none given, or of another shape than the config implies.
     """
-    if embed_weight is None:
-        raise UserError(
-            f"{wpath}: no '{EMBED_KEY}' stored; pass the verifier's embedding (embed_weight)"
-        )
-    if tuple(embed_weight.shape) != tuple(sd[EMBED_KEY].shape):
+    want = list(sd[EMBED_KEY].shape)
+    if embed_weight is None or list(embed_weight.shape) != want:
         hint = (
             f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
             f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
             if args.hidden_size != args.target_hidden_size
             else ""
         )
+        got = "not given" if embed_weight is None else f"of shape {list(embed_weight.shape)}"
         raise UserError(
-            f"embed_weight has shape {list(embed_weight.shape)}, {cfg_path} implies "
-            f"{list(sd[EMBED_KEY].shape)}{hint}"
+            f"{wpath}: no '{EMBED_KEY}' stored and embed_weight is {got}; pass the verifier's embedding of shape "
+            f"{want} ({cfg_path.name} implies it){hint}"
         )
     return embed_weight
 
