@@ -250,7 +250,7 @@ def load_exported(
 
     A folder without ``d2t``/``t2d`` is accepted when ``draft_vocab_size`` equals ``vocab_size``
     (identity map; vLLM's full-vocab format); a folder WITH ``d2t`` where its engine refuses one is refused
-    (:func:`eagle3.export.formats.writes_vocab_map`).
+    (the format module's ``writes_vocab_map``).
 
     Raises:
         UserError: missing/bad ``config.json`` key, a folder whose layer ids disagree with its

@@ -42,7 +42,7 @@ from eagle3.export.common import (
     state_key,
 )
 from eagle3.export.folder import write_export_folder
-from eagle3.export.formats import FORMATS, check_engine_serves, required_keys, writes_vocab_map
+from eagle3.export.formats import FORMATS, check_engine_serves, required_keys
 
 
 def export_drafter(
@@ -116,7 +116,7 @@ def export_tensor_names(a: DrafterArgs, engine: str) -> dict[str, str]:
     """Export tensor name -> drafter ``state_dict`` name of what :func:`export_drafter` writes for args ``a``
     (embedding omitted; without ``d2t``/``t2d`` where the engine refuses them)."""
     required = required_keys(engine, a.variant, a.num_layers, layer_keys(a))
-    if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
+    if not FORMATS[engine].writes_vocab_map(a.draft_vocab_size, a.target_vocab_size):
         required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
     return {key: state_key(key) for key in required}
 
