@@ -406,15 +406,6 @@ def _verifier_embedding(
     return embed_weight
 
 
-def read_export_meta(path: str | os.PathLike) -> dict:
-    """Our metadata ``eagle3_train.json`` of an exported folder (aux layers, engine ids, verifier).
-
-    Raises:
-        UserError: file missing or malformed.
-    """
-    return read_json(Path(path) / META_FILE)
-
-
 def _read_config_json(root: Path) -> tuple[Path, dict]:
     """``(path, dict)`` of an exported folder's ``config.json``.
 
