@@ -254,14 +254,6 @@ def test_export_refuses_missing_key_and_bad_inputs_writing_nothing(tmp_path):
     with pytest.raises(UserError, match="missing required tensor 'midlayer.hidden_norm.weight'"):
         export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
     d = drafter()
-    with pytest.raises(UserError, match="'architecture'"):
-        export_drafter(
-            d,
-            tmp_path / "x",
-            "sglang",
-            [2, 15, 27],
-            {k: v for k, v in LLAMA30.items() if k != "architecture"},
-        )
     with pytest.raises(UserError, match="aux_layers_hf"):
         export_drafter(d, tmp_path / "x", "sglang", [2, 15, 30], LLAMA30)
     with pytest.raises(UserError, match="hidden_size"):
