@@ -165,7 +165,10 @@ def test_mla_param_names_and_json_round_trip():
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(num_layers=2), "drafter: field 'mla' is for one layer, but num_layers is 2 with attention mla"),
+        (
+            dict(num_layers=2),
+            "drafter: field 'mla' is for one layer, but num_layers is 2 with attention mla",
+        ),
         (
             dict(mla=None),
             r"drafter: field 'mla' is required for attention mla; set drafter.mla \(q_lora_rank,",
@@ -251,7 +254,9 @@ def test_from_json_refuses_an_unknown_or_missing_field():
     a = _args().to_json()
     with pytest.raises(UserError, match=r"^c.json: field 'rope_typo' is not a known field$"):
         DrafterArgs.from_json({**a, "rope_typo": 1}, source="c.json")
-    with pytest.raises(UserError, match=r"^c.json: field 'head_dim' is missing; set drafter.head_dim$"):
+    with pytest.raises(
+        UserError, match=r"^c.json: field 'head_dim' is missing; set drafter.head_dim$"
+    ):
         DrafterArgs.from_json({k: v for k, v in a.items() if k != "head_dim"}, source="c.json")
     assert DrafterArgs.from_json(a) == _args()
 
