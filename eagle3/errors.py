@@ -37,6 +37,8 @@ def refusal(err, where: str, fix: str = "") -> UserError:
         what = f"should be a JSON object, got {type(value).__name__}"
     elif e["type"] == "missing":
         what = "is missing"
+    elif e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        what = "is not a known field"
     elif e["type"] == "value_error":
         what = e["msg"].removeprefix("Value error, ")
     elif e["type"] == "too_short":

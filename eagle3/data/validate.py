@@ -39,11 +39,7 @@ def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, 
     """Hash one shard against ``want`` = ``(algo, hex)`` of 02's manifest, load it and return ``input_ids`` and
     ``loss_mask`` only (the states are dropped once validated). UserError on a changed or invalid shard.
     """
-    if want is not None and shard_checksum.file_checksum(path, want[0]) != want[1]:
-        raise UserError(
-            f"{path}: contents changed since extraction ({want[0]} differs from manifest.jsonl); "
-            "delete the file and re-run 02_extract_hidden.py to recapture it"
-        )
+    shard_checksum.verify_file(path, want, MANIFEST)
     s = load_sample(path, expect=expect)
     return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
 

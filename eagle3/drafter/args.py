@@ -5,13 +5,24 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from dataclasses import asdict
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, field_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic_core import ArgsKwargs
+from typing_extensions import NotRequired, TypedDict
 
 from eagle3.drafter.attention import rope_inv_freq
-from eagle3.errors import UserError, validated
+from eagle3.errors import refusal
 
 VARIANTS = ("eagle3", "eagle3.1")
 """Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
@@ -28,39 +39,41 @@ MLA_FIELDS = (
 )
 """The keys of ``DrafterArgs.mla`` (DeepSeek-V3 config names; ``q_lora_rank`` None = a plain ``q_proj``)."""
 
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+"""An integer >= 1 (``bool``, ``float`` and ``str`` refused)."""
 
-class MLASizes(BaseModel):
+
+def _positive(v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"must be a positive number, got {v!r}")
+    return v
+
+
+Positive = Annotated[Any, AfterValidator(_positive)]
+"""A number > 0, kept as given (an ``int`` stays an ``int``: the JSON round trip is unchanged)."""
+
+
+class MLASizes(TypedDict):
     """``DrafterArgs.mla`` of an MLA drafter: exactly the keys of :data:`MLA_FIELDS`, sizes strict integers >= 1
     (``q_lora_rank`` None or absent = a plain ``q_proj``), ``qk_rope_head_dim`` even (rotary pairs)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
 
-    q_lora_rank: Optional[PositiveInt] = None
+    q_lora_rank: NotRequired[Optional[PositiveInt]]
     kv_lora_rank: PositiveInt
     qk_nope_head_dim: PositiveInt
-    qk_rope_head_dim: PositiveInt
+    qk_rope_head_dim: Annotated[PositiveInt, Field(multiple_of=2)]
     v_head_dim: PositiveInt
     rope_interleave: bool
 
-    @field_validator("qk_rope_head_dim")
-    @classmethod
-    def _even(cls, v: int) -> int:
-        if v % 2:
-            raise ValueError(f"must be even for rotary embeddings, got {v}")
-        return v
+
+_FIXES = {"mla": f"set drafter.mla ({', '.join(MLA_FIELDS)}) for attention mla"}
 
 
-class _MLABlock(BaseModel):
-    mla: MLASizes
-
-
-OPTIONAL_FIELDS = ("rope_scaling", "variant", "num_layers", "attention", "mla")
-""":class:`DrafterArgs` fields with a default (absent in checkpoints/exports written before they existed)."""
-
-
-@dataclass
+@dataclass(config=ConfigDict(extra="forbid"))
 class DrafterArgs:
-    """Shape of the drafter (a LlamaConfig subset plus the EAGLE-3 fields).
+    """Shape of the drafter (a LlamaConfig subset plus the EAGLE-3 fields), validated on construction: a bad field
+    raises ``UserError`` ``drafter: field '<name>' <what>; <fix>`` (:func:`eagle3.errors.refusal`).
 
     ``hidden_size`` H must equal the verifier's embedding width (the frozen ``embed_tokens`` is the
     verifier's); ``target_hidden_size`` Ht is the width of each aux state (``fc``: ``3Ht -> H``).
@@ -69,79 +82,84 @@ class DrafterArgs:
     written before it existed, which are ``eagle3``.
     ``num_layers``: decoder layers (module docstring, "Depth"); :meth:`to_json` leaves it out when 1, so the
     one-layer drafter's checkpoints, exports and fingerprints are what they were before it existed.
-    ``attention``: one of :data:`ATTENTIONS`; ``mla``: for ``mla`` the sizes (:data:`MLA_FIELDS`), else None. For an
+    ``attention``: one of :data:`ATTENTIONS`; ``mla``: for ``mla`` the sizes (:class:`MLASizes`), else None. For an
     MLA drafter ``num_key_value_heads`` = heads and ``head_dim`` = ``qk_nope_head_dim + qk_rope_head_dim``
     (:func:`eagle3.drafter.mla.mla_shape_fields`); ``rope_scaling`` may be YaRN. :meth:`to_json` leaves both out for
     ``llama``.
     """
 
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    draft_vocab_size: int
-    target_vocab_size: int
-    target_hidden_size: int
+    hidden_size: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt
+    head_dim: Annotated[PositiveInt, Field(multiple_of=2)]  # rotary pairs
+    intermediate_size: PositiveInt
+    rms_norm_eps: Positive
+    rope_theta: Positive
+    max_position_embeddings: PositiveInt
+    draft_vocab_size: PositiveInt
+    target_vocab_size: PositiveInt
+    target_hidden_size: PositiveInt
     rope_scaling: Optional[dict] = None
-    variant: str = "eagle3"
-    num_layers: int = 1
-    attention: str = "llama"
-    mla: Optional[dict] = None
+    variant: Literal[VARIANTS] = "eagle3"
+    num_layers: PositiveInt = 1
+    attention: Literal[ATTENTIONS] = "llama"
+    mla: Optional[MLASizes] = Field(default=None, validate_default=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_line(cls, values, handler, info):
+        """Any fault as one ``UserError`` line (``info.context["where"]`` names the source, default ``drafter``)."""
+        try:
+            return handler(values)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            field = str(err["loc"][0]) if err["loc"] else ""
+            own = err["type"] == "unexpected_keyword_argument" or (
+                err["type"] == "value_error" and field == "mla"
+            )
+            ctx = info.context or {}
+            fix = ctx.get("fix") or _FIXES.get(field, f"set drafter.{field}")
+            raise refusal(e, ctx.get("where", "drafter"), "" if own else fix) from None
+
+    @field_validator("num_key_value_heads")
+    @classmethod
+    def _divides(cls, v: int, info) -> int:
+        heads = info.data.get("num_attention_heads")
+        if heads and heads % v:
+            raise ValueError(f"({v}) must divide num_attention_heads ({heads})")
+        return v
+
+    @field_validator("target_vocab_size")
+    @classmethod
+    def _holds_draft(cls, v: int, info) -> int:
+        draft = info.data.get("draft_vocab_size")
+        if draft and draft > v:
+            raise ValueError(f"({v}) is smaller than draft_vocab_size ({draft})")
+        return v
+
+    @field_validator("mla", mode="wrap")
+    @classmethod
+    def _mla_iff_attention_mla(cls, v, handler, info):
+        """``mla`` is set iff ``attention`` is ``mla``; an MLA drafter has one layer. Returns ``v`` as given (key
+        order kept)."""
+        if info.data.get("attention") != "mla":
+            if v is not None:
+                raise ValueError("is set but attention is llama; set drafter.attention: mla")
+            return v
+        if v is None:
+            raise ValueError(f"is required for attention mla; {_FIXES['mla']}")
+        if info.data.get("num_layers", 1) != 1:
+            raise ValueError(
+                f"is for one layer, but num_layers is {info.data['num_layers']} with attention mla; the engines' "
+                f"MLA draft classes (SGLang 0.5.23 kimi_k25_eagle3.py) build one layer: set drafter.num_layers: 1"
+            )
+        handler(v)
+        return v
 
     def __post_init__(self):
-        for key, allowed in (("variant", VARIANTS), ("attention", ATTENTIONS)):
-            if getattr(self, key) not in allowed:
-                raise UserError(
-                    f"drafter field '{key}' must be one of {', '.join(allowed)}, got {getattr(self, key)!r}"
-                )
-        for f in fields(self):
-            if f.name in OPTIONAL_FIELDS and f.name != "num_layers":
-                continue
-            v, kind = getattr(self, f.name), int if f.name == "num_layers" else (int, float)
-            if not isinstance(v, kind) or isinstance(v, bool) or v <= 0:
-                what = "an integer >= 1" if kind is int else "a positive number"
-                raise UserError(f"drafter field '{f.name}' must be {what}, got {v!r}")
-        self._check_mla()
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UserError(
-                f"drafter field 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.head_dim % 2:
-            raise UserError(
-                f"drafter field 'head_dim' must be even for rotary embeddings, got {self.head_dim}"
-            )
-        if self.draft_vocab_size > self.target_vocab_size:
-            raise UserError(
-                f"drafter field 'draft_vocab_size' ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})"
-            )
         rope_inv_freq(
             self.rope_head_dim, self.rope_theta, self.rope_scaling, allow_yarn=self.is_mla
         )  # validates rope_scaling
-
-    def _check_mla(self) -> None:
-        """``mla`` is set (all of :data:`MLA_FIELDS`) iff ``attention`` is ``mla``."""
-        if not self.is_mla:
-            if self.mla is not None:
-                raise UserError(
-                    "drafter field 'mla' is set but attention is llama; set drafter.attention: mla"
-                )
-            return
-        validated(
-            _MLABlock,
-            {"mla": self.mla},
-            "drafter",
-            f"set drafter.mla ({', '.join(MLA_FIELDS)}) for attention mla",
-        )
-        if self.num_layers != 1:
-            raise UserError(
-                f"drafter.num_layers is {self.num_layers} with attention mla; the engines' MLA draft classes "
-                f"(SGLang 0.5.23 kimi_k25_eagle3.py) build one layer: set drafter.num_layers: 1"
-            )
 
     @property
     def is_mla(self) -> bool:
@@ -164,24 +182,20 @@ class DrafterArgs:
         return d
 
     @classmethod
-    def from_json(cls, obj: dict | str, source: str = "drafter args") -> "DrafterArgs":
-        """Build from :meth:`to_json` output (a dict or its JSON text).
+    def from_json(
+        cls, obj: dict | str, source: str = "drafter args", fix: Optional[str] = None
+    ) -> "DrafterArgs":
+        """Build from :meth:`to_json` output (a dict or its JSON text); ``fix`` replaces the refusal's advice
+        (default ``set drafter.<field>``).
 
         Raises:
-            UserError: a field is missing or unknown, naming it and ``source``.
+            UserError: a field missing, unknown or invalid, naming it and ``source``.
         """
         if isinstance(obj, str):
             obj = json.loads(obj)
-        unknown = sorted(set(obj) - {f.name for f in fields(cls)})
-        missing = [f.name for f in fields(cls) if f.name not in {*obj, *OPTIONAL_FIELDS}]
-        if unknown or missing:
-            fault = (
-                f"unknown drafter field '{unknown[0]}'"
-                if unknown
-                else f"missing drafter field '{missing[0]}'"
-            )
-            raise UserError(f"{source}: {fault}")
-        return cls(**obj)
+        return cls.__pydantic_validator__.validate_python(
+            ArgsKwargs((), obj), context={"where": source, "fix": fix}
+        )
 
     @property
     def fc_norm(self) -> bool:
@@ -229,9 +243,6 @@ class DrafterArgs:
             rope_scaling=dict(rs) if rs else None,
         )
         vals.update({k: v for k, v in overrides.items() if v is not None})
-        missing = [k for k, v in vals.items() if v is None and k not in OPTIONAL_FIELDS]
-        if missing:
-            raise UserError(
-                f"verifier config: cannot derive drafter field '{missing[0]}'; set drafter.{missing[0]}"
-            )
-        return cls(**vals)
+        return cls.from_json(
+            vals, source="verifier config"
+        )  # a size it lacks: "... got None; set drafter.<field>"

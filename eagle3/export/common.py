@@ -155,14 +155,22 @@ def check_export_contract(
     """
     a = drafter.args
     vh, vv = int(verifier_info["hidden_size"]), int(verifier_info["vocab_size"])
-    for key, got, built, why in (
-        ("hidden_size", vh, a.target_hidden_size, " (its fc reads 3 x target hidden)"),
-        ("vocab_size", vv, a.target_vocab_size, ""),
-    ):
-        if got != built:
-            raise UserError(
-                f"verifier_info.{key}: {got}, but the drafter was built for target_{key} {built}{why}"
-            )
+    faults = [
+        f"verifier_info.{key}: {got}, but the drafter was built for target_{key} {built}{why}"
+        for key, got, built, why in (
+            ("hidden_size", vh, a.target_hidden_size, " (its fc reads 3 x target hidden)"),
+            ("vocab_size", vv, a.target_vocab_size, ""),
+        )
+        if got != built
+    ]
+    if a.hidden_size != vh and not include_embeddings:
+        faults.append(
+            f"drafter hidden_size {a.hidden_size} differs from the verifier hidden_size {vh}: the engines then "
+            f"do not use the verifier's embedding and would run the draft with a random one; export with "
+            f"include_embeddings=True (writes '{EMBED_KEY}')"
+        )
+    if faults:
+        raise UserError(faults[0])
     sd = drafter.state_dict()
     _check_tensor_shapes(sd, a, vh, vv)
     check_vocab_map(
@@ -174,12 +182,6 @@ def check_export_contract(
         draft_key="drafter draft_vocab_size",
         target_source="verifier_info.vocab_size",
     )
-    if a.hidden_size != vh and not include_embeddings:
-        raise UserError(
-            f"drafter hidden_size {a.hidden_size} differs from the verifier hidden_size {vh}: the engines then "
-            f"do not use the verifier's embedding and would run the draft with a random one; export with "
-            f"include_embeddings=True (writes '{EMBED_KEY}')"
-        )
 
 
 def _check_tensor_shapes(sd: dict, a: DrafterArgs, vh: int, vv: int) -> None:
@@ -204,14 +206,3 @@ def _check_tensor_shapes(sd: dict, a: DrafterArgs, vh: int, vv: int) -> None:
                 f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
                 f"{why.get(key, list(want.shape))}"
             )
-
-
-def need(cfg: dict, key: str, where):
-    """``cfg[key]``, required.
-
-    Raises:
-        UserError: ``<where>: missing config key '<key>'`` (absent or null).
-    """
-    if key not in cfg or cfg[key] is None:
-        raise UserError(f"{where}: missing config key '{key}'")
-    return cfg[key]

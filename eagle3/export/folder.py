@@ -114,15 +114,11 @@ def check_replaceable(out: Path, engine: str) -> None:
     """
     if not out.exists():
         return
-    if not out.is_dir():
-        raise UserError(f"{out}: export.output_dir is a file, not a folder")
     meta_path = out / META_FILE
+    if not out.is_dir() or (not meta_path.is_file() and any(out.iterdir())):
+        what = "holds files that are not an eagle3-train export" if out.is_dir() else "is a file"
+        raise UserError(f"{out}: export.output_dir {what}; choose an empty or new folder")
     if not meta_path.is_file():
-        if any(out.iterdir()):
-            raise UserError(
-                f"{out}: export.output_dir holds files that are not an eagle3-train export; "
-                "choose an empty or new folder"
-            )
         return
     try:
         old_engine = json.loads(meta_path.read_text()).get("engine")

@@ -4,7 +4,7 @@ drafter variant, which tensors a folder holds, which format a ``config.json`` is
 A format module (:mod:`eagle3.export.sglang`, :mod:`eagle3.export.vllm`) states ``ENGINE``, ``ARCH``, ``KEYS`` (the
 one-layer tensor names), ``UPPER_NORM`` (the pre-attention norm name it applies in layers ``i >= 1``), ``SERVES``
 (variant -> model code read), ``IDS_KEY``, ``LAYER0``, ``VOCAB_MAP_REFUSAL``, and ``writes_vocab_map``, ``warn_dtype``, ``build_config``,
-``is_format``, ``layer_source``, ``layer_ids``.
+``is_format``, ``layer_source``, ``layer_ids``, ``mla_refusal``.
 """
 
 from __future__ import annotations
@@ -42,12 +42,6 @@ def required_keys(
     return base + (FC_NORM_KEYS if variant == "eagle3.1" else ()) + upper_layer_keys(num_layers)
 
 
-def writes_vocab_map(engine: str, draft_vocab_size: int, target_vocab_size: int) -> bool:
-    """Whether the ``engine`` folder carries ``d2t``/``t2d`` (what each engine's EAGLE-3 loader accepts: the format
-    module's ``writes_vocab_map``)."""
-    return FORMATS[engine].writes_vocab_map(draft_vocab_size, target_vocab_size)
-
-
 def check_engine_serves(engine: str, variant: str, mla: Optional[dict] = None) -> None:
     """Refuse an export of a drafter ``variant`` for an ``engine`` that cannot serve it (:data:`VARIANT_ENGINES`),
     and of an MLA drafter (``mla``: its sizes, ``DrafterArgs.mla``) whose sizes the engine's MLA draft class cannot
@@ -56,18 +50,13 @@ def check_engine_serves(engine: str, variant: str, mla: Optional[dict] = None) -
     Raises:
         UserError: one line naming the engine and the variant or setting.
     """
-    if mla is not None and engine in FORMATS:
-        why = FORMATS[engine].mla_refusal(mla)
-        if why:
-            raise UserError(f"export.engine: {engine} cannot serve this MLA drafter: {why}")
-    if variant not in VARIANT_ENGINES:
+    serving = VARIANT_ENGINES[variant]  # variant: one of VARIANTS (DrafterArgs' Literal)
+    why = FORMATS[engine].mla_refusal(mla) if mla is not None else None
+    if why or engine not in serving:
         raise UserError(
-            f"drafter variant '{variant}': unknown (expected one of {', '.join(VARIANTS)})"
-        )
-    serving = VARIANT_ENGINES[variant]
-    if engine not in serving:
-        raise UserError(
-            f"export.engine: {engine} cannot serve an {variant} drafter (its EAGLE-3 model code has no "
+            f"export.engine: {engine} cannot serve this MLA drafter: {why}"
+            if why
+            else f"export.engine: {engine} cannot serve an {variant} drafter (its EAGLE-3 model code has no "
             f"{variant} layers); export for {' or '.join(sorted(serving))}, or train with drafter.variant: eagle3"
         )
 

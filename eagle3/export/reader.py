@@ -10,15 +10,15 @@ import logging
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, field_validator
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eagle3.data.vocab import check_vocab_map
-from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.args import DrafterArgs, Positive, PositiveInt
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import LABELS, Engine, others, spelled
 from eagle3.engines.layers import engine_layer_ids, hf_layers_from_engine, layer_id_convention
@@ -31,12 +31,11 @@ from eagle3.export.common import (
     UPPER_NORM_KEYS,
     WEIGHTS_FILE,
     layer_keys,
-    need,
 )
 from eagle3.export.formats import FORMATS, format_of, required_keys
 from eagle3.io import read_json
 from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
-from eagle3.verifier.arch import MLA_SIZE_KEYS, mla_sizes
+from eagle3.verifier.arch import mla_sizes
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +209,7 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
         ``(config.json path, engine, DrafterArgs, weights path, warnings)``.
 
     Raises:
-        UserError: as :func:`load_exported` for ``config.json``; the weights file missing, or not a readable
+        UserError: as :func:`load_exported` for ``config.json``; the weights file missing or not a readable
             safetensors file (naming it).
     """
     root = Path(path)
@@ -218,8 +217,6 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
     engine, args = _args_from_config(cfg, cfg_path)
     warnings = check_export_folder(root)["warnings"]
     wpath = root / WEIGHTS_FILE
-    if not wpath.is_file():
-        raise UserError(f"{wpath}: file not found")
     try:
         with safe_open(str(wpath), framework="pt") as f:
             f.keys()
@@ -229,7 +226,9 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
 
 
 def _unreadable(wpath: Path, e: Exception) -> UserError:
-    """``<file>: unreadable safetensors file: <first line of the error>``."""
+    """``<file>: file not found``, else ``<file>: unreadable safetensors file: <first line of the error>``."""
+    if isinstance(e, FileNotFoundError):
+        return UserError(f"{wpath}: file not found")
     return UserError(
         f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     )
@@ -251,7 +250,7 @@ def load_exported(
 
     A folder without ``d2t``/``t2d`` is accepted when ``draft_vocab_size`` equals ``vocab_size``
     (identity map; vLLM's full-vocab format); a folder WITH ``d2t`` where its engine refuses one is refused
-    (:func:`eagle3.export.formats.writes_vocab_map`).
+    (the format module's ``writes_vocab_map``).
 
     Raises:
         UserError: missing/bad ``config.json`` key, a folder whose layer ids disagree with its
@@ -391,31 +390,20 @@ def _verifier_embedding(
     Raises:
         UserError: none given, or of another shape than the config implies.
     """
-    if embed_weight is None:
-        raise UserError(
-            f"{wpath}: no '{EMBED_KEY}' stored; pass the verifier's embedding (embed_weight)"
-        )
-    if tuple(embed_weight.shape) != tuple(sd[EMBED_KEY].shape):
+    want = list(sd[EMBED_KEY].shape)
+    if embed_weight is None or list(embed_weight.shape) != want:
         hint = (
             f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
             f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
             if args.hidden_size != args.target_hidden_size
             else ""
         )
+        got = "not given" if embed_weight is None else f"of shape {list(embed_weight.shape)}"
         raise UserError(
-            f"embed_weight has shape {list(embed_weight.shape)}, {cfg_path} implies "
-            f"{list(sd[EMBED_KEY].shape)}{hint}"
+            f"{wpath}: no '{EMBED_KEY}' stored and embed_weight is {got}; pass the verifier's embedding of shape "
+            f"{want} ({cfg_path.name} implies it){hint}"
         )
     return embed_weight
-
-
-def read_export_meta(path: str | os.PathLike) -> dict:
-    """Our metadata ``eagle3_train.json`` of an exported folder (aux layers, engine ids, verifier).
-
-    Raises:
-        UserError: file missing or malformed.
-    """
-    return read_json(Path(path) / META_FILE)
 
 
 def _read_config_json(root: Path) -> tuple[Path, dict]:
@@ -425,10 +413,28 @@ def _read_config_json(root: Path) -> tuple[Path, dict]:
         UserError: missing or unreadable file (:func:`eagle3.io.read_json`), or not a JSON object.
     """
     cfg_path = root / "config.json"
-    cfg = read_json(cfg_path)
-    if not isinstance(cfg, dict):
-        raise UserError(f"{cfg_path}: expected a JSON object")
-    return cfg_path, cfg
+    return cfg_path, validated(_OBJECT, read_json(cfg_path), str(cfg_path), _REEXPORT)
+
+
+_REEXPORT = "re-export with 04_train.py --export-only"
+_OBJECT = TypeAdapter(dict)
+_LAYER_IDS = TypeAdapter(dict[str, Optional[list[StrictInt]]])
+"""``{IDS_KEY: ids}`` of a format: the aux-layer ids, a list of integers or not stated."""
+
+
+class _LayerKeys(BaseModel):
+    """The keys of the drafter's decoder layer a ``config.json`` must state (after the format's ``layer_source``);
+    the others are read with their defaults by :func:`_args_from_config`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    num_hidden_layers: PositiveInt = 1
+    num_attention_heads: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    rms_norm_eps: Positive
+    draft_vocab_size: PositiveInt
+    vocab_size: PositiveInt
 
 
 def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
@@ -439,71 +445,67 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         UserError: no known format; a missing or invalid key (naming the file and key).
     """
     fmt = format_of(cfg, path)
-    engine = fmt.ENGINE
     src = fmt.layer_source(cfg, path)
-    variant = _config_variant(cfg, path)
-    n_layers = src.get("num_hidden_layers", 1)
-    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
-        raise UserError(
-            f"{path}: key 'num_hidden_layers' must be an integer >= 1 (the drafter's decoder layers), "
-            f"got {n_layers!r}"
-        )
-    heads = need(src, "num_attention_heads", path)
-    H = need(src, "hidden_size", path)
+    k = validated(_LayerKeys, src, str(path), _REEXPORT)
     mla = mla_sizes(src) if MLA_ARCH in (cfg.get("architectures") or []) else None
-    if mla is not None:
-        for k in MLA_SIZE_KEYS:
-            if k != "q_lora_rank":
-                need(src, k, path)
-    args = DrafterArgs(
+    heads, H = k.num_attention_heads, k.hidden_size
+    fields = dict(
         hidden_size=H,
         num_attention_heads=heads,
-        num_key_value_heads=heads if mla else src.get("num_key_value_heads") or heads,
-        head_dim=(
-            mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
-            if mla
-            else src.get("head_dim") or H // heads
-        ),
-        intermediate_size=need(src, "intermediate_size", path),
-        rms_norm_eps=need(src, "rms_norm_eps", path),
+        num_key_value_heads=src.get("num_key_value_heads") or heads,
+        head_dim=src.get("head_dim") or H // heads,
+        intermediate_size=k.intermediate_size,
+        rms_norm_eps=k.rms_norm_eps,
         rope_theta=src.get("rope_theta")
         or (src.get("rope_parameters") or {}).get("rope_theta", 10000.0),
         max_position_embeddings=src.get("max_position_embeddings", 2048),
-        draft_vocab_size=need(src, "draft_vocab_size", path),
-        target_vocab_size=need(src, "vocab_size", path),
+        draft_vocab_size=k.draft_vocab_size,
+        target_vocab_size=k.vocab_size,
         target_hidden_size=src["target_hidden_size"],
         rope_scaling=src.get("rope_scaling"),
-        variant=variant,
-        num_layers=n_layers,
-        **({"attention": "mla", "mla": mla} if mla else {}),
+        variant=_config_variant(cfg, path),
+        num_layers=k.num_hidden_layers,
     )
-    return engine, args
+    if mla:  # kv heads = heads, head_dim = nope + rope (a size that is no integer: refused by DrafterArgs)
+        fields.update(attention="mla", mla=mla, num_key_value_heads=heads)
+        if all(isinstance(mla[k], int) for k in ("qk_nope_head_dim", "qk_rope_head_dim")):
+            fields["head_dim"] = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+    return fmt.ENGINE, DrafterArgs.from_json(fields, str(path), _REEXPORT)
+
+
+class _VariantKeys(BaseModel):
+    """The keys SGLang 0.5.23 / vLLM 0.33 build the drafter variant from, as booleans: ``fc_norm`` (or SGLang's
+    legacy ``use_aux_norm``) and ``norm_output`` both true = ``eagle3.1``, both false = ``eagle3``; ``norm_before_fc``
+    (one RMSNorm over the concatenated aux states) is not implemented here."""
+
+    norm_before_fc: Literal[False]
+    fc_norm: bool
+    norm_output: bool
+
+    @field_validator("norm_output")
+    @classmethod
+    def _both_or_neither(cls, v: bool, info) -> bool:
+        if v != info.data.get("fc_norm", v):
+            raise ValueError(
+                f"({v}) differs from fc_norm ({not v}): eagle3 has both false, eagle3.1 both true"
+            )
+        return v
 
 
 def _config_variant(cfg: dict, path: Path) -> str:
-    """The drafter variant a ``config.json`` makes the engines build (the keys SGLang 0.5.23 / vLLM 0.33 read).
-
-    ``fc_norm`` (or SGLang's legacy ``use_aux_norm``) and ``norm_output`` both true = ``eagle3.1``, both
-    false/absent = ``eagle3``.
+    """The drafter variant a ``config.json`` makes the engines build (:class:`_VariantKeys`).
 
     Raises:
-        UserError: ``norm_before_fc`` (one norm over the concatenated aux states, not implemented here) or
-            only one of the two EAGLE-3.1 keys set (neither variant), naming the file and key.
+        UserError: ``norm_before_fc`` true, or only one of the two EAGLE-3.1 keys set, naming the file and key.
     """
     ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
-    if cfg.get("norm_before_fc") or ec.get("norm_before_fc"):
-        raise UserError(
-            f"{path}: key 'norm_before_fc' is true (one RMSNorm over the concatenated aux states); this "
-            f"project implements eagle3 and eagle3.1 (fc_norm: one norm per aux state) only"
-        )
-    fc_norm = bool(cfg.get("fc_norm") or cfg.get("use_aux_norm"))
-    norm_output = bool(cfg.get("norm_output"))
-    if fc_norm != norm_output:
-        raise UserError(
-            f"{path}: keys 'fc_norm' ({fc_norm}) and 'norm_output' ({norm_output}) differ; eagle3 has both "
-            f"false, eagle3.1 both true, and this project implements only those two"
-        )
-    return "eagle3.1" if fc_norm else "eagle3"
+    keys = {
+        "norm_before_fc": bool(cfg.get("norm_before_fc") or ec.get("norm_before_fc")),
+        "fc_norm": bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")),
+        "norm_output": bool(cfg.get("norm_output")),
+    }
+    fix = "this project implements eagle3 and eagle3.1 (fc_norm: one norm per aux state) only"
+    return "eagle3.1" if validated(_VariantKeys, keys, str(path), fix).fc_norm else "eagle3"
 
 
 def _config_layer_ids(cfg: dict, engine: str, path: Path) -> Optional[list[int]]:
@@ -512,13 +514,5 @@ def _config_layer_ids(cfg: dict, engine: str, path: Path) -> Optional[list[int]]
     Raises:
         UserError: not a list of integers (naming the file and the key).
     """
-    ids = FORMATS[engine].layer_ids(cfg)
-    if ids is None:
-        return None
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in ids
-    ):
-        raise UserError(
-            f"{path}: key '{FORMATS[engine].IDS_KEY}' must be a list of integers, got {ids!r}"
-        )
-    return list(ids)
+    key = FORMATS[engine].IDS_KEY
+    return validated(_LAYER_IDS, {key: FORMATS[engine].layer_ids(cfg)}, str(path), _REEXPORT)[key]

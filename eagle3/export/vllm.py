@@ -16,13 +16,14 @@ Every format module of ``eagle3/export/`` states the same names (:data:`eagle3.e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from eagle3.drafter.args import DrafterArgs
-from eagle3.errors import UserError
-from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, MLA_ARCH, need, variant_keys
+from eagle3.errors import validated
+from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, MLA_ARCH, variant_keys
 
 ENGINE = "vllm"
 ARCH = "Eagle3Speculator"
@@ -146,22 +147,33 @@ def is_format(cfg: dict) -> bool:
     return cfg.get("speculators_model_type") == "eagle3" or ARCH in archs
 
 
+class _Keys(BaseModel):
+    """The speculators keys :func:`layer_source` reads (others pass): ``norm_before_residual`` false (vLLM's default
+    when absent is true: hidden_norm before the residual, not implemented here)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    norm_before_residual: Literal[False]
+
+
+class _LlamaKeys(_Keys):
+    transformer_layer_config: dict
+
+
 def layer_source(cfg: dict, path: Path) -> dict:
-    """The LlamaConfig fields of the drafter's decoder layer (``transformer_layer_config``) with ``draft_vocab_size``
-    and ``target_hidden_size``, from a ``config.json`` of this format.
+    """The LlamaConfig fields of the drafter's decoder layer (``transformer_layer_config``; an MLA folder's own
+    keys) with ``draft_vocab_size`` and ``target_hidden_size``, from a ``config.json`` of this format.
 
     Raises:
-        UserError: a missing key, or ``norm_before_residual`` not false (naming the file and key).
+        UserError: ``norm_before_residual`` not false, or no ``transformer_layer_config`` object (naming the file
+            and key).
     """
     mla = MLA_ARCH in (cfg.get("architectures") or [])
-    layer = cfg if mla else need(cfg, "transformer_layer_config", path)
-    if cfg.get("norm_before_residual", True):
-        raise UserError(
-            f"{path}: key 'norm_before_residual' must be false for this drafter (hidden_norm before the residual "
-            f"is not implemented)"
-        )
+    fix = "this drafter is written with norm_before_residual: false (04_train.py --export-only --engine vllm)"
+    validated(_Keys if mla else _LlamaKeys, cfg, str(path), fix)
+    layer = cfg if mla else cfg["transformer_layer_config"]
     src = dict(layer)
-    src["draft_vocab_size"] = need(cfg, "draft_vocab_size", path)
+    src["draft_vocab_size"] = cfg.get("draft_vocab_size")
     src["target_hidden_size"] = cfg.get("target_hidden_size") or layer.get("hidden_size")
     return src
 

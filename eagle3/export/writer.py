@@ -42,7 +42,7 @@ from eagle3.export.common import (
     state_key,
 )
 from eagle3.export.folder import write_export_folder
-from eagle3.export.formats import FORMATS, check_engine_serves, required_keys, writes_vocab_map
+from eagle3.export.formats import FORMATS, check_engine_serves, required_keys
 
 
 def export_drafter(
@@ -63,7 +63,8 @@ def export_drafter(
         drafter: trained drafter (its ``d2t``/``t2d`` must be the run's vocab map).
         engine: one of :data:`eagle3.engines.ENGINES`; the folder is for that engine only.
         aux_layers_hf: the three aux layers as HF ``hidden_states`` indices (capture convention).
-        verifier_info: ``{name, architecture, num_layers, hidden_size, vocab_size}``, optionally
+        verifier_info: ``{name, architecture, num_layers, hidden_size, vocab_size}`` (required: stage 04 takes them
+            from ``data_config.json``, whose reader refuses a missing one), optionally
             ``context_length`` (:func:`eagle3.engines.context.check_context_length`) and ``weights``.
         include_embeddings: also store ``embed_tokens.weight`` (required when the drafter's hidden size differs).
         num_speculative_tokens: vLLM ``speculators_config.proposal_methods[0].speculative_tokens``.
@@ -74,8 +75,8 @@ def export_drafter(
         ttt_length: the TTT steps the drafter was trained for, recorded in ``eagle3_train.json`` (None: not).
 
     Raises:
-        UserError: unknown engine or dtype, an engine that cannot serve the drafter's variant, a missing
-            ``verifier_info`` field, aux layers invalid for the verifier, a broken shape contract, a draft context
+        UserError: unknown engine or dtype, an engine that cannot serve the drafter's variant, aux layers invalid
+            for the verifier, a broken shape contract, a draft context
             SGLang refuses, a required tensor missing, or the folder's write refusals
             (:func:`eagle3.export.folder.write_export_folder`).
     """
@@ -116,7 +117,7 @@ def export_tensor_names(a: DrafterArgs, engine: str) -> dict[str, str]:
     """Export tensor name -> drafter ``state_dict`` name of what :func:`export_drafter` writes for args ``a``
     (embedding omitted; without ``d2t``/``t2d`` where the engine refuses them)."""
     required = required_keys(engine, a.variant, a.num_layers, layer_keys(a))
-    if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
+    if not FORMATS[engine].writes_vocab_map(a.draft_vocab_size, a.target_vocab_size):
         required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
     return {key: state_key(key) for key in required}
 
@@ -134,9 +135,6 @@ def _check_request(
     check_engine_serves(engine, drafter.args.variant, drafter.args.mla)
     out_dtype = export_dtype(dtype)
     FORMATS[engine].warn_dtype(out_dtype)
-    for f in VERIFIER_FIELDS:
-        if f not in verifier_info or verifier_info[f] is None:
-            raise UserError(f"verifier_info: missing field '{f}'")
     arch = str(verifier_info["architecture"])
     aux = check_aux_layers(aux_layers_hf, int(verifier_info["num_layers"]), field="aux_layers_hf")
     check_export_contract(drafter, verifier_info, include_embeddings)

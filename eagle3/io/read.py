@@ -71,11 +71,9 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     if not path.is_file():
         raise file_not_found(path)
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive since torch 1.6
-        raise UserError(
-            f"{path}: truncated or corrupt torch file (not a complete zip archive, or not a torch file at all)"
-        )
     try:
+        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive since torch 1.6
+            raise zipfile.BadZipFile("not a complete zip archive, or not a torch file at all")
         import torch  # on use: the config imports this module before a stage's heavy imports
 
         return torch.load(path, map_location=map_location, weights_only=True)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import xxhash
 
+from eagle3.errors import UserError
+
 DEFAULT_ALGO = "xxh3_128"
 ALGOS = ("xxh3_128", "sha256")
 HEX_LEN = {"xxh3_128": 32, "sha256": 64}
@@ -42,3 +44,17 @@ def row_checksum(row: dict) -> Optional[tuple[str, str]]:
         if isinstance(row.get(algo), str):
             return algo, row[algo]
     return None
+
+
+def verify_file(path: str | os.PathLike, want: Optional[tuple[str, str]], manifest: str) -> None:
+    """Refuse a shard whose bytes no longer hash to ``want`` = ``(algo, hex)`` as recorded in ``manifest`` (None:
+    nothing recorded, nothing checked).
+
+    Raises:
+        UserError: ``<path>: contents changed since extraction (<algo> differs from <manifest>); <fix>``.
+    """
+    if want is not None and file_checksum(path, want[0]) != want[1]:
+        raise UserError(
+            f"{path}: contents changed since extraction ({want[0]} differs from {manifest}); "
+            "delete the file and re-run 02_extract_hidden.py to recapture it"
+        )

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, make_dirs, read_json, remove_stale_tmp
 from eagle3.io.lock import exclusive_lock
-from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
+from eagle3.shards.checksum import DEFAULT_ALGO, new_hasher, row_checksum, verify_file
 from eagle3.shards.data_config import (
     expect_from_data_config,
     read_data_config,
@@ -192,11 +192,7 @@ class _Job:
     def one(self, item: tuple[int, Path]) -> dict:
         """Convert shard ``(idx, path)``; returns its manifest row."""
         idx, path = item
-        want = row_checksum(self.src_rows.get(idx, {}))  # (algo, hex) or None
-        if want is not None and file_checksum(path, want[0]) != want[1]:
-            raise UserError(
-                f"{path}: contents changed since extraction ({want[0]} differs from {self.src_man_path})"
-            )
+        verify_file(path, row_checksum(self.src_rows.get(idx, {})), str(self.src_man_path))
         s = load_sample(path, expect=self.expect)
         h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
         ids, mask = s["input_ids"], s["loss_mask"]

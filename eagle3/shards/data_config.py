@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Literal, Optional
 
-from eagle3.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from eagle3.errors import validated
 from eagle3.io import atomic_write_json, read_json
 from eagle3.shards.format import (
     DATA_CONFIG,
@@ -22,66 +24,52 @@ from eagle3.shards.format import (
 )
 from eagle3.shards.fp8 import Storage
 
-# data_config.json keys and their JSON types (a bool is never an int here)
-DATA_CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
-    "format": str,
-    "verifier": str,
-    "architecture": str,
-    "num_layers": int,
-    "hidden_size": int,
-    "vocab_size": int,
-    "aux_layers": list,
-    "layer_index_convention": str,
-    "last_hidden_state": str,
-    "dtype": str,
-    "max_length": int,
-    "rows_per_dir": int,
-    "chat_template_hash": (str, type(None)),
-    "config_fingerprint": str,
-    "prompts_sha256": str,
-    "num_samples": int,
-    "num_tokens": int,
-    "num_loss_tokens": int,
-    "bytes_per_token": int,
-    "skipped": dict,
-}
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+class DataConfigRecord(BaseModel):
+    """``data_config.json``'s keys and JSON types (a bool is never an int here; other keys are kept), and the storage
+    keys consistent with ``format`` (:func:`_storage_problem`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    format: Literal[FORMAT, FORMAT_FP8, FORMAT_TOKENS]
+    verifier: str
+    architecture: str
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    vocab_size: PositiveInt
+    aux_layers: Annotated[list[StrictInt], Field(min_length=3, max_length=3)]
+    layer_index_convention: str
+    last_hidden_state: Literal["post_norm", "pre_norm"]
+    dtype: str
+    max_length: int
+    rows_per_dir: int
+    chat_template_hash: Optional[str]
+    config_fingerprint: str
+    prompts_sha256: str
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    bytes_per_token: int
+    skipped: dict
+
+    @model_validator(mode="after")
+    def _storage_keys(self):
+        problem = _storage_problem(self.model_dump())
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 def write_data_config(root: str | os.PathLike, meta: dict) -> Path:
-    """Validate (every key of :data:`DATA_CONFIG_KEYS` with its type and allowed values; extra keys are kept) and
-    atomically write ``{root}/data_config.json``; ValueError on a bad dict (a caller bug).
+    """Validate (:class:`DataConfigRecord`; extra keys are kept) and atomically write ``{root}/data_config.json``;
+    ``pydantic.ValidationError`` (a ValueError) on a bad dict (a caller bug).
     """
     path = Path(root) / DATA_CONFIG
-    problem = _data_config_problem(meta)
-    if problem:
-        raise ValueError(f"write_data_config: {problem}")
+    DataConfigRecord.model_validate(meta)
     atomic_write_json(path, meta)
     return path
-
-
-def _data_config_problem(meta: Any) -> str | None:
-    if not isinstance(meta, dict):
-        return "top level must be a JSON object"
-    for key, typ in DATA_CONFIG_KEYS.items():
-        if key not in meta:
-            return f"missing key '{key}'"
-        v = meta[key]
-        if isinstance(v, bool) or not isinstance(v, typ):
-            return f"key '{key}' has type {type(v).__name__}"
-    if meta["format"] not in (FORMAT, FORMAT_FP8, FORMAT_TOKENS):
-        return f"key 'format' is {meta['format']!r}, expected {FORMAT!r}, {FORMAT_FP8!r} or {FORMAT_TOKENS!r}"
-    problem = _storage_problem(meta)
-    if problem:
-        return problem
-    if meta["last_hidden_state"] not in ("post_norm", "pre_norm"):
-        return f"key 'last_hidden_state' is {meta['last_hidden_state']!r}, expected post_norm or pre_norm"
-    aux = meta["aux_layers"]
-    if len(aux) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
-        return f"key 'aux_layers' must be 3 integers, got {aux!r}"
-    for key in ("num_layers", "hidden_size", "vocab_size"):
-        if meta[key] < 1:
-            return f"key '{key}' must be >= 1"
-    return None
 
 
 def _storage_problem(meta: dict) -> str | None:
@@ -139,9 +127,7 @@ def read_data_config(root: str | os.PathLike) -> dict:
     if path.is_dir() or not path.name.endswith(".json"):
         path = path / DATA_CONFIG
     meta = read_json(path)
-    problem = _data_config_problem(meta)
-    if problem:
-        raise UserError(f"{path}: {problem}")
+    validated(DataConfigRecord, meta, str(path), "02_extract_hidden.py writes it")
     return meta
 
 

@@ -123,9 +123,8 @@ class ManifestWriter:
         ``extra`` JSON-serialisable fields (e.g. ``num_loss_tokens``) are stored on the same line.
         Returns the row written.
         """
-        row = {"idx": int(idx), "id": str(sample_id), "num_tokens": int(num_tokens), **extra}
-        append_bytes(self._f, (json.dumps(row) + "\n").encode("utf-8"), self.path)
-        return row
+        row = {"idx": idx, "id": sample_id, "num_tokens": num_tokens, **extra}
+        return self.append_many([row])[0]
 
     def append_many(self, rows: list[dict]) -> list[dict]:
         """Append ``rows`` (each ``{idx, id, num_tokens, **extra}``) all-or-nothing with one fsync.

@@ -37,15 +37,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def _post_norm(last_hidden_state: str) -> bool:
-    """Whether the captured last hidden state is post-norm (``data_config.json``'s ``last_hidden_state``)."""
-    if last_hidden_state not in ("post_norm", "pre_norm"):
-        raise UserError(
-            f"data_config.json: last_hidden_state must be 'post_norm' or 'pre_norm', got {last_hidden_state!r}"
-        )
-    return last_hidden_state == "post_norm"
-
-
 @dataclass
 class TargetHead:
     """Frozen verifier tensors: ``embed`` ``[V, Ht]``, ``lm_head`` ``[V, Ht]`` (the same tensor when tied),
@@ -77,17 +68,16 @@ class TargetHead:
     def from_model(
         cls, hf_model: torch.nn.Module, last_hidden_state: str = "post_norm"
     ) -> "TargetHead":
-        """The head of a loaded HF causal LM (Llama, DeepSeek-V3, multimodal wrappers), copied to CPU; the final
-        norm is :func:`eagle3.verifier.arch.find_final_norm`'s.
+        """The head of a loaded HF causal LM (Llama, DeepSeek-V3, multimodal wrappers: an ``AutoModelForCausalLM``,
+        which has input and output embeddings), copied to CPU; the final norm is
+        :func:`eagle3.verifier.arch.find_final_norm`'s. ``last_hidden_state``: ``data_config.json``'s ``post_norm`` /
+        ``pre_norm`` (checked by its reader).
 
         Raises:
-            UserError: no input/output embeddings or final norm, or a bad ``last_hidden_state``.
+            UserError: no final norm.
         """
-        post_norm = _post_norm(last_hidden_state)
         emb_mod = hf_model.get_input_embeddings()
         out_mod = hf_model.get_output_embeddings()
-        if emb_mod is None or out_mod is None:
-            raise UserError(f"verifier {type(hf_model).__name__}: no input/output embeddings found")
         embed = emb_mod.weight.detach().to("cpu")  # [V, Ht]
         lm_head = (
             embed if out_mod.weight is emb_mod.weight else out_mod.weight.detach().to("cpu")
@@ -96,6 +86,7 @@ class TargetHead:
         eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
         if eps is None:
             eps = cfg_get(text_config(getattr(hf_model, "config", None)), "rms_norm_eps", 1e-6)
+        post_norm = last_hidden_state == "post_norm"
         return cls(embed, lm_head, norm.weight.detach().to("cpu"), float(eps), post_norm)
 
     # ---- persistence ---------------------------------------------------------------------
@@ -245,16 +236,14 @@ def locate_head_tensors(
     wm = wm if wm is not None else _weight_map(folder)
     # The prefix is fixed by where the embedding lives, so a vision tower's own
     # ``*.norm.weight`` or embedding can never be picked for the language model.
-    found = _find(wm, EMBED_TENSORS, WRAPPER_PREFIXES)
-    if found is None:
-        raise UserError(
-            f"{folder}: no token embedding tensor (looked for {[p + EMBED_TENSORS[0] for p in WRAPPER_PREFIXES]})"
-        )
-    prefix, embed = found
-    norm = _find(wm, NORM_TENSORS, (prefix,))
+    prefix, embed = _find(wm, EMBED_TENSORS, WRAPPER_PREFIXES) or (None, None)
+    norm = _find(wm, NORM_TENSORS, (prefix,)) if embed else None
     if norm is None:
         raise UserError(
             f"{folder}: no final norm tensor '{prefix}{NORM_TENSORS[0]}' next to '{embed}'"
+            if embed
+            else f"{folder}: no token embedding tensor (looked for "
+            f"{[p + EMBED_TENSORS[0] for p in WRAPPER_PREFIXES]})"
         )
     # transformers-5 wrappers keep lm_head at the top level, K2.5 under its prefix.
     head = _find(wm, LM_HEAD_TENSORS, (prefix, "") if prefix else ("",))
@@ -270,14 +259,15 @@ def load_target_head_from_safetensors(
     without loading the model: only the shards holding the three tensors are opened.
 
     Args:
-        last_hidden_state: ``"post_norm"`` | ``"pre_norm"``, as the capture backend recorded it.
+        last_hidden_state: ``"post_norm"`` | ``"pre_norm"``, as the capture backend recorded it (``data_config.json``,
+            checked by its reader).
         dtype: cast the tensors to this dtype (None = as stored, usually bf16).
 
     Raises:
         UserError: missing/malformed ``config.json`` or index, a missing or unreadable tensor or shard, an untied
             config without ``lm_head``, or tensor shapes that disagree with the config.
     """
-    post_norm = _post_norm(last_hidden_state)
+    post_norm = last_hidden_state == "post_norm"
     folder = Path(folder)
     cfg_path = folder / "config.json"
     root = read_json(cfg_path)
@@ -321,7 +311,7 @@ def _read_tensors(folder: Path, wm: dict[str, str], names: list[str]) -> dict[st
     """The tensors ``names`` of the checkpoint in ``folder``, each shard opened once (memory-mapped, on CPU).
 
     Raises:
-        UserError: a shard file is missing or cannot be read.
+        UserError: a shard file is missing or cannot be read (naming it).
     """
     by_shard: dict[str, list[str]] = {}
     for name in names:
@@ -329,14 +319,10 @@ def _read_tensors(folder: Path, wm: dict[str, str], names: list[str]) -> dict[st
     tensors: dict[str, torch.Tensor] = {}
     for shard, wanted in by_shard.items():
         path = folder / shard
-        if not path.is_file():
-            raise UserError(
-                f"{folder / INDEX_FILE}: shard '{shard}' (holding {wanted[0]}) not found"
-            )
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in wanted:
                     tensors[name] = f.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise _unreadable(path, f"cannot read {wanted}", e) from e
+            raise _unreadable(path, f"shard '{shard}' (holding {wanted})", e) from e
     return tensors

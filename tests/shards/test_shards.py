@@ -259,14 +259,20 @@ def test_data_config_round_trip_and_errors(tmp_path):
     bad = dict(meta)
     del bad["hidden_size"]
     (tmp_path / "data_config.json").write_text(__import__("json").dumps(bad))
-    with pytest.raises(UserError, match="data_config.json: missing key 'hidden_size'"):
+    with pytest.raises(
+        UserError,
+        match="data_config.json: field 'hidden_size' is missing; 02_extract_hidden.py writes it",
+    ):
         read_data_config(tmp_path)
     (tmp_path / "data_config.json").write_text(
         __import__("json").dumps(_meta(last_hidden_state="weird"))
     )
-    with pytest.raises(UserError, match="key 'last_hidden_state'"):
+    with pytest.raises(
+        UserError,
+        match="field 'last_hidden_state' should be 'post_norm' or 'pre_norm', got 'weird'",
+    ):
         read_data_config(tmp_path)
-    with pytest.raises(ValueError, match="missing key 'hidden_size'"):
+    with pytest.raises(ValueError, match="hidden_size\n  Field required"):
         write_data_config(tmp_path, bad)
 
 

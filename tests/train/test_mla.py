@@ -165,12 +165,15 @@ def test_mla_param_names_and_json_round_trip():
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(num_layers=2), "drafter.num_layers is 2 with attention mla"),
+        (
+            dict(num_layers=2),
+            "drafter: field 'mla' is for one layer, but num_layers is 2 with attention mla",
+        ),
         (
             dict(mla=None),
-            r"drafter: field 'mla' should be a JSON object, got NoneType; set drafter.mla \(q_lora_rank,",
+            r"drafter: field 'mla' is required for attention mla; set drafter.mla \(q_lora_rank,",
         ),
-        (dict(attention="gqa"), "drafter field 'attention' must be one of llama, mla"),
+        (dict(attention="gqa"), "drafter: field 'attention' should be 'llama' or 'mla', got 'gqa'"),
     ],
 )
 def test_mla_refusals(change, message):
@@ -249,9 +252,11 @@ def test_mla_static_cache_decode_equals_batched_cache_decode():
 
 def test_from_json_refuses_an_unknown_or_missing_field():
     a = _args().to_json()
-    with pytest.raises(UserError, match=r"^c.json: unknown drafter field 'rope_typo'$"):
+    with pytest.raises(UserError, match=r"^c.json: field 'rope_typo' is not a known field$"):
         DrafterArgs.from_json({**a, "rope_typo": 1}, source="c.json")
-    with pytest.raises(UserError, match=r"^c.json: missing drafter field 'head_dim'$"):
+    with pytest.raises(
+        UserError, match=r"^c.json: field 'head_dim' is missing; set drafter.head_dim$"
+    ):
         DrafterArgs.from_json({k: v for k, v in a.items() if k != "head_dim"}, source="c.json")
     assert DrafterArgs.from_json(a) == _args()
 
@@ -261,17 +266,23 @@ def test_from_json_refuses_an_unknown_or_missing_field():
     [
         (
             dict(variant="eagle4"),
-            r"drafter field 'variant' must be one of eagle3, eagle3.1, got 'eagle4'",
+            r"drafter: field 'variant' should be 'eagle3' or 'eagle3.1', got 'eagle4'; set drafter.variant",
         ),
-        (dict(num_layers=1.5), r"drafter field 'num_layers' must be an integer >= 1, got 1.5"),
-        (dict(num_layers=True), r"drafter field 'num_layers' must be an integer >= 1, got True"),
+        (
+            dict(num_layers=1.5),
+            r"drafter: field 'num_layers' should be a valid integer, got 1.5; set drafter.num_layers",
+        ),
+        (
+            dict(num_layers=True),
+            r"drafter: field 'num_layers' should be a valid integer, got True; set drafter.num_layers",
+        ),
         (
             dict(rms_norm_eps=0.0),
-            r"drafter field 'rms_norm_eps' must be a positive number, got 0.0",
+            r"drafter: field 'rms_norm_eps' must be a positive number, got 0.0; set drafter.rms_norm_eps",
         ),
         (
             dict(hidden_size="64"),
-            r"drafter field 'hidden_size' must be a positive number, got '64'",
+            r"drafter: field 'hidden_size' should be a valid integer, got '64'; set drafter.hidden_size",
         ),
     ],
 )

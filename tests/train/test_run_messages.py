@@ -265,7 +265,7 @@ def test_an_unusable_export_folder_is_refused_before_training(tmp_path):
     (tmp_path / "vl").mkdir()
     (tmp_path / "vl" / "eagle3_train.json").write_text(json.dumps({"engine": "vllm"}))
     cases = {
-        tmp_path / "notes.txt": "export.output_dir is a file, not a folder",
+        tmp_path / "notes.txt": "export.output_dir is a file; choose an empty or new folder",
         tmp_path
         / "notes.txt"
         / "x": f"export.output_dir is under {tmp_path / 'notes.txt'}, which is a file, not a "

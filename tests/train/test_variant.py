@@ -321,7 +321,7 @@ def test_load_exported_refuses_folders_of_neither_variant(tmp_path):
     out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
     _edit_config(out, norm_output=None)  # fc_norm alone: neither eagle3 nor eagle3.1
     with pytest.raises(
-        UserError, match=r"config.json: keys 'fc_norm' \(True\) and 'norm_output' \(False\) differ"
+        UserError, match=r"config.json: field 'norm_output' \(False\) differs from fc_norm \(True\)"
     ):
         load_exported(out, embed_weight=emb)
     _edit_config(
@@ -330,7 +330,10 @@ def test_load_exported_refuses_folders_of_neither_variant(tmp_path):
     with pytest.raises(UserError, match="unexpected tensor 'fc_norm.0.weight'"):
         load_exported(out, embed_weight=emb)
     _edit_config(out, norm_before_fc=True)
-    with pytest.raises(UserError, match="key 'norm_before_fc' is true"):
+    with pytest.raises(
+        UserError,
+        match="field 'norm_before_fc' should be False, got True; this project implements eagle3 and",
+    ):
         load_exported(out, embed_weight=emb)
     # SGLang's legacy flag name use_aux_norm means fc_norm
     out2 = export_drafter(d, tmp_path / "y", "sglang", [2, 15, 27], LLAMA30)
@@ -354,7 +357,9 @@ def test_args_without_variant_are_eagle3_and_bad_variant_refused():
     assert j["variant"] == "eagle3.1" and DrafterArgs.from_json(j) == a
     old = {k: v for k, v in j.items() if k != "variant"}
     assert DrafterArgs.from_json(old).variant == "eagle3"
-    with pytest.raises(UserError, match="drafter field 'variant' must be one of eagle3, eagle3.1"):
+    with pytest.raises(
+        UserError, match="drafter: field 'variant' should be 'eagle3' or 'eagle3.1'"
+    ):
         DrafterArgs(**dict(old, variant="eagle4"))
     # resume: an old checkpoint (no variant) is an eagle3 drafter
     check_drafter_args("step.pt", old, dict(old, variant="eagle3"))
