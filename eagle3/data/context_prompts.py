@@ -16,8 +16,10 @@ import re
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from pydantic import BaseModel, StrictStr
+
 from eagle3.data.eval_prompts import EvalPrompt, shared_data_dir
-from eagle3.errors import UserError
+from eagle3.errors import UserError, validated
 from eagle3.io.read import iter_jsonl
 
 SOURCE = "eval/gsm8k_test.jsonl"
@@ -67,13 +69,15 @@ def load_pairs(path: Optional[Path] = None) -> list[tuple[str, str]]:
             f"{path}: the long-context source for benchmark.context_lengths not found (set EAGLE3_SHARED_DATA "
             f"to the folder holding {SOURCE})"
         )
-    out = []
-    for lineno, row in iter_jsonl(path):
-        q, a = (row.get(k) if isinstance(row, dict) else None for k in ("question", "answer"))
-        if not isinstance(q, str) or not isinstance(a, str):
-            raise UserError(f"{path}:{lineno}: expected string keys 'question' and 'answer'")
-        out.append((q, _CALC.sub("", a)))
-    return out
+    rows = (validated(_Pair, row, f"{path}:{lineno}") for lineno, row in iter_jsonl(path))
+    return [(r.question, _CALC.sub("", r.answer)) for r in rows]
+
+
+class _Pair(BaseModel):
+    """A GSM8K row (other keys ignored)."""
+
+    question: StrictStr
+    answer: StrictStr
 
 
 def _messages(pairs: Sequence[tuple[str, str]], start: int, n: int, final: str) -> list[dict]:

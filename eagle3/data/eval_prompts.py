@@ -213,15 +213,9 @@ def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "fi
 
     ``first``: ``items[:num_prompts]``. ``spread``: items ``floor(i * len(items) / num_prompts)`` for
     ``i < num_prompts``, evenly spaced over the set (MT-bench at 8 of 80: one prompt of each category, question
-    ids 81, 91, ..., 151; at 16 two of each).
-
-    Raises:
-        UserError: ``pick`` not one of :data:`PICKS`, or ``num_prompts`` < 1 (naming ``benchmark.*``).
+    ids 81, 91, ..., 151; at 16 two of each). ``pick`` is one of :data:`PICKS` and ``num_prompts`` >= 1
+    (``BenchmarkConfig`` and the flags' argparse types refuse others).
     """
-    if pick not in PICKS:
-        raise UserError(f"benchmark.prompt_pick: must be one of {', '.join(PICKS)}, got {pick!r}")
-    if num_prompts is not None and num_prompts < 1:
-        raise UserError(f"benchmark.num_prompts: must be >= 1, got {num_prompts}")
     n = len(items)
     if num_prompts is None or num_prompts >= n:
         return list(items)
@@ -305,9 +299,8 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[Eval
     """The first ``num_prompts`` (None: all) prompts of a built-in set or a JSONL prompt file.
 
     Raises:
-        UserError: shared data folder or file missing, a malformed row, ``num_prompts`` < 1.
+        UserError: shared data folder or file missing, a malformed row.
     """
-    pick_prompts([], num_prompts)  # checks num_prompts before any file is read
     if name == "humaneval":
         everything = _humaneval(None)
     elif name == "mtbench":
