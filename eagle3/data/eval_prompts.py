@@ -68,15 +68,13 @@ def shared_data_dir() -> Path:
     )  # eagle3/data/ -> repo -> ..
 
 
-def _shared_file(rel: str) -> Path:
-    root = shared_data_dir()
-    if not root.is_dir():
-        raise UserError(
-            f"{root}: shared data folder not found (set EAGLE3_SHARED_DATA to the folder holding eval/{Path(rel).name})"
-        )
-    path = root / rel
+def shared_file(rel: str, what: str = "evaluation file") -> Path:
+    """``rel`` in the shared data folder (:func:`shared_data_dir`); a missing one is a UserError naming ``what``."""
+    path = shared_data_dir() / rel
     if not path.is_file():
-        raise UserError(f"{path}: evaluation file not found in the shared data folder")
+        raise UserError(
+            f"{path}: {what} not found (set EAGLE3_SHARED_DATA to the shared data folder holding {rel})"
+        )
     return path
 
 
@@ -304,9 +302,9 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[Eval
     if name == "humaneval":
         everything = _humaneval(None)
     elif name == "mtbench":
-        everything = load_prompt_file(_shared_file("eval/mt_bench_question.jsonl"))
+        everything = load_prompt_file(shared_file("eval/mt_bench_question.jsonl"))
     elif name == "gsm8k":
-        everything = load_prompt_file(_shared_file("eval/gsm8k_test.jsonl"))
+        everything = load_prompt_file(shared_file("eval/gsm8k_test.jsonl"))
     else:
         everything = load_prompt_file(name)
     return pick_prompts(everything, num_prompts)

@@ -55,8 +55,6 @@ from eagle3.chat.template import split_reasoning
 from eagle3.data.record_files import iter_file, iter_hf, iter_humaneval
 from eagle3.errors import UserError, refusal
 
-FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
-
 _SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -409,7 +407,8 @@ def read_conversations(
 
     Args:
         source: ``"humaneval"``, a file path (.json/.jsonl, optionally .gz), or ``"hf:<name or path>"``.
-        fmt: one of :data:`FORMATS`; ``"auto"`` detects per record (``"hf"`` = auto on a HF dataset).
+        fmt: a ``prompts.format`` (:class:`eagle3.config.prompts.PromptsConfig`'s Literal); ``"auto"`` detects per
+            record (``"hf"`` = auto on a HF dataset).
         hf_split: split for ``hf:`` sources.
         keep_prompt_only: keep conversations without an assistant turn (they will be regenerated).
         system_prompt: system message prepended to conversations that have none.
@@ -422,10 +421,8 @@ def read_conversations(
 
     Raises:
         UserError: missing/unreadable file, malformed JSON, a record of no known format or one its model refuses
-            (``file:line``), or an unknown ``fmt``.
+            (``file:line``).
     """
-    if fmt not in FORMATS:
-        raise UserError(f"prompts.format: unknown format '{fmt}' (one of {', '.join(FORMATS)})")
     counts = counts if counts is not None else Counter()
     it, stem = _records(source, fmt, hf_split)
     out: list[dict] = []

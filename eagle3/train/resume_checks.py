@@ -300,10 +300,9 @@ def data_inputs_problem(
     agree; a value missing on either side is not compared): another split would validate on trained samples,
     another vocab map give the lm_head rows other tokens, other aux layers or verifier weights feed the drafter
     states it was not trained on. Each refusal is :data:`DATA_INPUTS`'s line."""
-    then = {k: found.get(k) for k in keys}
     return (
         "; ".join(
-            DATA_INPUTS[k][1].format(dir=Path(data_dir), then=then[k], now=now.get(k))
+            DATA_INPUTS[k][1].format(dir=Path(data_dir), then=found.get(k), now=now.get(k))
             for k in found.changed(now, keys, tolerate=_one_side)
         )
         or None
@@ -407,16 +406,8 @@ def check_resume(
 # folder exports after its shards are deleted; a checkpoint without the record exports only beside the shards' file.
 DATA_CONFIG_RECORD = "data_config"
 DATA_CONFIG_RECORD_KEYS = (
-    "verifier",
-    "architecture",
-    "num_layers",
-    "hidden_size",
-    "vocab_size",
-    "aux_layers",
-    "layer_index_convention",
-    "last_hidden_state",
-    "max_length",
-    VERIFIER_WEIGHTS,
+    *"verifier architecture num_layers hidden_size vocab_size aux_layers layer_index_convention".split(),
+    *("last_hidden_state", "max_length", VERIFIER_WEIGHTS),
 )
 
 
