@@ -47,13 +47,12 @@ from pydantic import (
     BeforeValidator,
     Field,
     StrictStr,
-    ValidationError,
     model_validator,
 )
 
 from eagle3.chat.template import split_reasoning
 from eagle3.data.record_files import iter_file, iter_hf, iter_humaneval
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -473,15 +472,14 @@ def _conversation(
             f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
             + (f"; null: {', '.join(nulls)})" if nulls else ")")
         )
-    try:
-        record = RECORDS[rfmt].model_validate(rec)
-    except ValidationError as e:
-        forced = (
-            ""
-            if fmt in ("auto", "hf")
-            else f" (prompts.format '{fmt}'; keys seen: {', '.join(map(str, rec))})"
-        )
-        raise refusal(e, where, f"{rfmt} records look like {SHAPES[rfmt]}{forced}") from e
+    forced = (
+        ""
+        if fmt in ("auto", "hf")
+        else f" (prompts.format '{fmt}'; keys seen: {', '.join(map(str, rec))})"
+    )
+    record = validated(
+        RECORDS[rfmt], rec, where, f"{rfmt} records look like {SHAPES[rfmt]}{forced}"
+    )
     inner = "conversations[0]" if rfmt == "sharegpt" else "messages[0]"
     raw = with_record_system(record.raw(), record.system, where, inner)
     msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)

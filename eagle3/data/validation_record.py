@@ -355,6 +355,7 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
     bad = [(path, rec) for path, rec in current if rec.status != PASSED]
     if current and not bad:
         return current[0][0]
+    changed = _changed_file(shards, recs[0][0]) if recs and not current else None
     if bad and bad[0][1].status == UNFINISHED:
         why = (
             f"03_prepare_data.py --revalidate of this shard set did not finish (record: {bad[0][0]}); run "
@@ -366,9 +367,6 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
             f"run 03_prepare_data.py (record: {bad[0][0]})"
         )
     elif recs:
-        changed = _changed_file(shards, recs[0][0])
-        if changed:
-            raise UserError(changed)
         why = (
             f"the shards, manifest.jsonl or data_config.json changed since 03 last validated them, or the folder "
             f"was moved or copied (the record holds its path, each shard's size and mtime: {recs[0][0]}); run "
@@ -379,7 +377,7 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
             f"no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or {data_dir}); run "
             f"03_prepare_data.py before training"
         )
-    raise UserError(f"{shards}: {why}")
+    raise UserError(changed or f"{shards}: {why}")
 
 
 def _changed_file(shards: Path, stale: Path) -> Optional[str]:

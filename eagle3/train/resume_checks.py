@@ -33,10 +33,8 @@ SPLIT_FILE, VOCAB_FILE, AUX_LAYERS = "split.json", "vocab_map.pt", "aux_layers"
 VERIFIER_WEIGHTS = "verifier_weights"
 
 DATA_ORDER = ("train.seed", "train.batch_tokens", "train.batch_size", "train.grad_accum")
-SPLIT_KEYS = (
-    "train.batch_size",
-    "train.grad_accum",
-)  # how a step is split: free while the global batch is kept
+# how a step is split: free while the global batch is kept
+SPLIT_KEYS = ("train.batch_size", "train.grad_accum")
 # Recipe fields that define the training loss: changed on --resume, the run would optimise another objective with the
 # optimizer state of the old one: that is a warm start (train.init_from) into a new output_dir.
 LOSS_FIELDS = ("train.ttt_length", "train.step_weight", "train.loss", "train.lk_eta")
@@ -138,7 +136,9 @@ class ResumeRecord(manifest.Manifest):
         """The value of record key ``key``."""
         return getattr(self, _name(key))
 
-    def changed(self, now: ResumeRecord, keys: Sequence[str], tolerate=None) -> list[str]:
+    def changed(
+        self, now: ResumeRecord, keys: Sequence[str], tolerate: Optional[manifest.Tolerate] = None
+    ) -> list[str]:
         """The ``keys`` this record set whose value ``now`` differs, in ``keys``' order
         (:func:`eagle3.manifest.differing`)."""
         needed = {_name(k): now.get(k) for k in keys if _name(k) in self.model_fields_set}
@@ -259,8 +259,11 @@ def recipe_changes(found: ResumeRecord, now: ResumeRecord) -> tuple[Optional[str
     Refused: a changed :data:`LOSS_FIELDS` (``train.lk_eta`` only when the loss uses it). Every other change is one
     line saying which value is used: :data:`KEPT_FIELDS` keep the checkpoint's, the rest take the config's."""
     soft_ce = found.train_loss == now.train_loss == "soft_ce"  # soft_ce does not use eta
-    changed = found.changed(now, sorted([*LOSS_FIELDS, *KEPT_FIELDS, *NOTED_FIELDS]))
-    changed = [k for k in changed if not (soft_ce and k == "train.lk_eta")]
+
+    def unused_eta(name: str, then: Any, new: Any) -> bool:
+        return soft_ce and name == _name("train.lk_eta")
+
+    changed = found.changed(now, sorted([*LOSS_FIELDS, *KEPT_FIELDS, *NOTED_FIELDS]), unused_eta)
     bad = [k for k in changed if k in LOSS_FIELDS]
     problem = None
     if bad:
