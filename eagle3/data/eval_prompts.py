@@ -41,7 +41,6 @@ from eagle3.io.read import iter_jsonl
 log = logging.getLogger(__name__)
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
-PICKS = ("first", "spread")
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"
 _PROMPT_KEYS = ("messages", "turns", "prompt", "question", "instruction")
 ROW_SHAPE = 'a row is {"messages": [{"role", "content": str}, ...]} or {"turns"|"prompt"|"question"|"instruction": str}'
@@ -201,7 +200,7 @@ def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
 def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
     out = [
         EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
-        for _, p in iter_humaneval("benchmark.datasets")
+        for _, p in iter_humaneval()
     ]
     return out[:num_prompts] if num_prompts is not None else out
 
@@ -211,7 +210,7 @@ def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "fi
 
     ``first``: ``items[:num_prompts]``. ``spread``: items ``floor(i * len(items) / num_prompts)`` for
     ``i < num_prompts``, evenly spaced over the set (MT-bench at 8 of 80: one prompt of each category, question
-    ids 81, 91, ..., 151; at 16 two of each). ``pick`` is one of :data:`PICKS` and ``num_prompts`` >= 1
+    ids 81, 91, ..., 151; at 16 two of each). ``pick`` is ``first`` or ``spread`` and ``num_prompts`` >= 1
     (``BenchmarkConfig`` and the flags' argparse types refuse others).
     """
     n = len(items)
