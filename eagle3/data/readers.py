@@ -54,6 +54,9 @@ from eagle3.chat.template import split_reasoning
 from eagle3.data.record_files import iter_file, iter_hf, iter_humaneval
 from eagle3.errors import UserError, validated
 
+FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
+"""``prompts.format`` values: :class:`eagle3.config.prompts.PromptsConfig`'s Literal, 01's ``--format`` choices."""
+
 _SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -406,8 +409,8 @@ def read_conversations(
 
     Args:
         source: ``"humaneval"``, a file path (.json/.jsonl, optionally .gz), or ``"hf:<name or path>"``.
-        fmt: a ``prompts.format`` (:class:`eagle3.config.prompts.PromptsConfig`'s Literal); ``"auto"`` detects per
-            record (``"hf"`` = auto on a HF dataset).
+        fmt: one of :data:`FORMATS` (the config and 01's flag refuse others); ``"auto"`` detects per record
+            (``"hf"`` = auto on a HF dataset).
         hf_split: split for ``hf:`` sources.
         keep_prompt_only: keep conversations without an assistant turn (they will be regenerated).
         system_prompt: system message prepended to conversations that have none.

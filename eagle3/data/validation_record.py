@@ -381,9 +381,9 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
 
 
 def _changed_file(shards: Path, stale: Path) -> Optional[str]:
-    """The refusal naming the file behind a stale record when its mtime says so: the first shard (idx order) whose ``st_mtime_ns``
-    is later than the time the shards folder's own record ``stale`` was written (its ``created_at``, unix seconds):
-    its mtime is then not the one 03's fingerprint holds. A stat per shard; only on 04's refusal path.
+    """The refusal naming the file behind a stale record when its mtime says so: the first shard (idx order) whose
+    ``st_mtime_ns`` is later than the time the shards folder's own record ``stale`` was written (its ``created_at``,
+    unix seconds): its mtime is then not the one 03's fingerprint holds. A stat per shard; only on 04's refusal path.
 
     One line naming the shard, when 03 validated the set, how many other shards changed since, and to run 03 again;
     None when no shard is newer (a removed or added shard, a changed manifest.jsonl / data_config.json (hashed, not

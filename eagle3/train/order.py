@@ -134,10 +134,8 @@ class TrainData:
             )
         else:
             k = int(state["samples_in_epoch"]) // self.samples_per_step
-        epoch, samples = (
-            int(state["epoch"]),
-            int(state["samples_in_epoch"]),
-        )  # checkpoint.REQUIRED_KEYS
+        # samples_in_epoch: one of checkpoint.REQUIRED_KEYS
+        epoch, samples = int(state["epoch"]), int(state["samples_in_epoch"])
         g = self.sampler.batches_for_samples(epoch, samples) if self.token_budget else samples
         self._origin = (epoch, k, g)
         if int(state.get("world_size", self.world)) != self.world and self.is_main:
