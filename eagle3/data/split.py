@@ -61,9 +61,9 @@ def exclude_by_id(
     rows = read_manifest(path).rows  # a missing file: no rows
     lost = next((i for i in train if i not in rows), None)
     if lost is not None:
-        what = f"no row for sample {lost}" if rows else "missing or empty (02 writes it)"
+        what = f"has no row for sample {lost}" if rows else "is missing or empty (02 writes it)"
         raise UserError(
-            f"{path}: {what}; data.exclude_id_prefixes needs every sample's id; re-run "
+            f"data.exclude_id_prefixes: {path} {what}, and the setting needs every sample's id; re-run "
             "02_extract_hidden.py to complete it"
         )
     kept, dropped = [], {p: 0 for p in prefixes}
