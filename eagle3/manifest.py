@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, Optional, TypeVar
 
 from pydantic import (
     AliasChoices,
@@ -32,6 +32,8 @@ from eagle3.io import atomic_write_bytes, read_json
 FILE = "eagle3_manifest.json"
 
 M = TypeVar("M", bound="Manifest")
+Tolerate = Callable[[str, Any, Any], bool]
+"""``(field, recorded, now) -> True`` when that difference is accepted."""
 
 
 class Manifest(BaseModel):
@@ -212,15 +214,27 @@ def read(folder: str | os.PathLike, model: type[M]) -> M:
     return found
 
 
+def differing(
+    found: Manifest, needed: Mapping[str, Any], tolerate: Optional[Tolerate] = None
+) -> list[str]:
+    """The fields of ``needed`` (``{field: value now}``, in its order) whose recorded value differs, less those
+    ``tolerate(field, recorded, now)`` accepts."""
+    return [
+        name
+        for name, now in needed.items()
+        if getattr(found, name) != now
+        and not (tolerate and tolerate(name, getattr(found, name), now))
+    ]
+
+
 def require(found: Manifest, needed: Mapping[str, Any], stage_to_rerun: str) -> None:
     """Stop at the first field of ``needed`` (``{field: value now}``, in its order) whose recorded value differs.
 
     Raises:
         UserError: ``<file>: <field title> <recorded> -> <now>; re-run <stage_to_rerun>``.
     """
-    fields = type(found).model_fields
-    for name, now in needed.items():
-        old = getattr(found, name)
-        if old != now:
-            label = fields[name].title or name
-            raise UserError(f"{found.where}: {label} {old!r} -> {now!r}; re-run {stage_to_rerun}")
+    for name in differing(found, needed)[:1]:
+        label = type(found).model_fields[name].title or name
+        raise UserError(
+            f"{found.where}: {label} {getattr(found, name)!r} -> {needed[name]!r}; re-run {stage_to_rerun}"
+        )

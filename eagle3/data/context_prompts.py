@@ -13,11 +13,12 @@ so no two prompts of one length share their history start and no final question 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from eagle3.data.eval_prompts import EvalPrompt, shared_data_dir
-from eagle3.errors import UserError
+from pydantic import BaseModel, StrictStr
+
+from eagle3.data.eval_prompts import EvalPrompt, shared_file
+from eagle3.errors import UserError, validated
 from eagle3.io.read import iter_jsonl
 
 SOURCE = "eval/gsm8k_test.jsonl"
@@ -55,25 +56,22 @@ def capped_edges(
     ]
 
 
-def load_pairs(path: Optional[Path] = None) -> list[tuple[str, str]]:
-    """``(question, answer)`` rows of GSM8K (default: :data:`SOURCE` in the shared data folder), annotations removed.
+def load_pairs() -> list[tuple[str, str]]:
+    """``(question, answer)`` rows of GSM8K (:data:`SOURCE` in the shared data folder), annotations removed.
 
     Raises:
         UserError: the file is missing, or a row lacks a ``question`` / ``answer`` string (file:line).
     """
-    path = Path(path) if path is not None else shared_data_dir() / SOURCE
-    if not path.is_file():
-        raise UserError(
-            f"{path}: the long-context source for benchmark.context_lengths not found (set EAGLE3_SHARED_DATA "
-            f"to the folder holding {SOURCE})"
-        )
-    out = []
-    for lineno, row in iter_jsonl(path):
-        q, a = (row.get(k) if isinstance(row, dict) else None for k in ("question", "answer"))
-        if not isinstance(q, str) or not isinstance(a, str):
-            raise UserError(f"{path}:{lineno}: expected string keys 'question' and 'answer'")
-        out.append((q, _CALC.sub("", a)))
-    return out
+    path = shared_file(SOURCE, "the long-context source for benchmark.context_lengths")
+    rows = (validated(_Pair, row, f"{path}:{lineno}") for lineno, row in iter_jsonl(path))
+    return [(r.question, _CALC.sub("", r.answer)) for r in rows]
+
+
+class _Pair(BaseModel):
+    """A GSM8K row (other keys ignored)."""
+
+    question: StrictStr
+    answer: StrictStr
 
 
 def _messages(pairs: Sequence[tuple[str, str]], start: int, n: int, final: str) -> list[dict]:

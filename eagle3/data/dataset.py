@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+from pydantic import BaseModel, StrictInt
 from torch.utils.data import Dataset, DistributedSampler
 
-from eagle3.errors import UserError
+from eagle3.errors import UserError, validated
 from eagle3.io import read_json
 from eagle3.shards.format import list_samples
 from eagle3.shards.read import load_sample
@@ -24,21 +25,21 @@ from eagle3.shards.read import load_sample
 PAD_TOKEN_ID = 0
 
 
+class Split(BaseModel):
+    """03's ``split.json``: the sample ids of each split, in order."""
+
+    train: list[StrictInt]
+    val: list[StrictInt]
+
+
 def read_split(data_dir: str | os.PathLike) -> dict[str, list[int]]:
-    """``{data_dir}/split.json`` as ``{"train": [idx...], "val": [idx...]}``; UserError when malformed."""
+    """``{data_dir}/split.json`` as ``{"train": [idx...], "val": [idx...]}``.
+
+    Raises:
+        UserError: ``split.json: field 'val' ...; re-run 03_prepare_data.py`` (:func:`eagle3.errors.validated`).
+    """
     path = Path(data_dir) / "split.json"
-    split = read_json(path)
-    if not isinstance(split, dict):
-        raise UserError(f"{path}: expected a JSON object with keys 'train' and 'val'")
-    out = {}
-    for key in ("train", "val"):
-        v = split.get(key)
-        if not isinstance(v, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in v
-        ):
-            raise UserError(f"{path}: key '{key}' must be a list of integer sample ids")
-        out[key] = v
-    return out
+    return validated(Split, read_json(path), str(path), "re-run 03_prepare_data.py").model_dump()
 
 
 class ShardDataset(Dataset):
@@ -46,8 +47,10 @@ class ShardDataset(Dataset):
     :func:`eagle3.shards.read.load_sample`; ``split_name`` / ``split_file`` name the split in errors; ``states=False``:
     items without ``aux``/``last``.
 
+    ``max_length``: 02's ``extract.max_length`` (``ExtractConfig``: >= 8), or None for whole samples.
+
     Raises:
-        UserError: ``max_length < 2``, or a split id without a shard file.
+        UserError: a split id without a shard file.
     """
 
     def __init__(
@@ -60,8 +63,6 @@ class ShardDataset(Dataset):
         states: bool = True,
         split_file: str | os.PathLike = "split.json",
     ):
-        if max_length is not None and max_length < 2:
-            raise UserError(f"train: max_length must be >= 2, got {max_length}")
         found = dict(list_samples(shards_dir))
         missing = [i for i in indices if i not in found]
         if missing:

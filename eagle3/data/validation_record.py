@@ -343,7 +343,7 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
             fingerprint says 03's last validation failed (its error quoted); or no record of a passing
             validation matches the current shards (none written, or shards / manifest / data_config changed
             since: added, removed, re-extracted, replaced or ``touch``ed shards; a shard modified after the shards
-            folder's record was written is named: :func:`_refuse_changed_file`).
+            folder's record was written is named: :func:`_changed_file`).
     """
     shards, data_dir = Path(shards), Path(data_dir)
     fp = fingerprint_now(shards)
@@ -355,6 +355,7 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
     bad = [(path, rec) for path, rec in current if rec.status != PASSED]
     if current and not bad:
         return current[0][0]
+    changed = _changed_file(shards, recs[0][0]) if recs and not current else None
     if bad and bad[0][1].status == UNFINISHED:
         why = (
             f"03_prepare_data.py --revalidate of this shard set did not finish (record: {bad[0][0]}); run "
@@ -366,7 +367,6 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
             f"run 03_prepare_data.py (record: {bad[0][0]})"
         )
     elif recs:
-        _refuse_changed_file(shards, recs[0][0])
         why = (
             f"the shards, manifest.jsonl or data_config.json changed since 03 last validated them, or the folder "
             f"was moved or copied (the record holds its path, each shard's size and mtime: {recs[0][0]}); run "
@@ -377,21 +377,18 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
             f"no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or {data_dir}); run "
             f"03_prepare_data.py before training"
         )
-    raise UserError(f"{shards}: {why}")
+    raise UserError(changed or f"{shards}: {why}")
 
 
-def _refuse_changed_file(shards: Path, stale: Path) -> None:
-    """Name the file behind a stale record when its mtime says so: the first shard (idx order) whose ``st_mtime_ns``
-    is later than the time the shards folder's own record ``stale`` was written (its ``created_at``, unix seconds):
-    its mtime is then not the one 03's fingerprint holds. A stat per shard; only on 04's refusal path.
+def _changed_file(shards: Path, stale: Path) -> Optional[str]:
+    """The refusal naming the file behind a stale record when its mtime says so: the first shard (idx order) whose
+    ``st_mtime_ns`` is later than the time the shards folder's own record ``stale`` was written (its ``created_at``,
+    unix seconds): its mtime is then not the one 03's fingerprint holds. A stat per shard; only on 04's refusal path.
 
-    Returns None when no shard is newer (a removed or added shard, a changed manifest.jsonl / data_config.json (hashed,
-    not dated), a moved or copied folder, a file restored with an older mtime, or a record kept in the data folder:
+    One line naming the shard, when 03 validated the set, how many other shards changed since, and to run 03 again;
+    None when no shard is newer (a removed or added shard, a changed manifest.jsonl / data_config.json (hashed, not
+    dated), a moved or copied folder, a file restored with an older mtime, or a record kept in the data folder:
     :func:`require_passed`'s general message then says what may have changed).
-
-    Raises:
-        UserError: one line naming the shard, when 03 validated the set, how many other shards changed since, and
-            to run 03 again.
     """
     from eagle3.shards.format import list_samples
 
@@ -400,17 +397,17 @@ def _refuse_changed_file(shards: Path, stale: Path) -> None:
         return None
     created = rec.created_at
     newer = [p for _, p in list_samples(shards) if p.stat().st_mtime_ns > created * 1e9]
-    if newer:
-        more = (
-            f" (and {len(newer) - 1} more file{'s' if len(newer) > 2 else ''})"
-            if len(newer) > 1
-            else ""
-        )
-        raise UserError(
-            f"{newer[0]}: changed after 03 validated this shard set ({format_time(created)}){more}; "
-            f"run 03_prepare_data.py again before training (record: {stale})"
-        )
-    return None
+    if not newer:
+        return None
+    more = (
+        f" (and {len(newer) - 1} more file{'s' if len(newer) > 2 else ''})"
+        if len(newer) > 1
+        else ""
+    )
+    return (
+        f"{newer[0]}: changed after 03 validated this shard set ({format_time(created)}){more}; "
+        f"run 03_prepare_data.py again before training (record: {stale})"
+    )
 
 
 def format_time(ts: float) -> str:

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import numpy as np
 import torch
 from pydantic import ConfigDict, create_model
 
@@ -181,19 +182,14 @@ def capture_rng() -> dict:
         "python": _py_state_to_list(random.getstate()),
     }
     state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
-    except ImportError:  # pragma: no cover - numpy is a torch/matplotlib dependency
-        state["numpy"] = None
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     return state
 
 
@@ -206,8 +202,6 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(cuda)
     s = state.get("numpy")
     if s is not None:
-        import numpy as np
-
         keys = s["keys"].numpy().astype("uint32")
         np.random.set_state((s["name"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
 

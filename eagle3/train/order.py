@@ -134,13 +134,9 @@ class TrainData:
             )
         else:
             k = int(state["samples_in_epoch"]) // self.samples_per_step
-        epoch = int(state["epoch"])
-        if "samples_in_epoch" in state:
-            samples = int(state["samples_in_epoch"])
-            g = self.sampler.batches_for_samples(epoch, samples) if self.token_budget else samples
-        else:  # predates the key: taken on this process count
-            g = k * self._units_per_step()
-            samples = self.samples_before(epoch, k) if self.token_budget else g
+        # samples_in_epoch: one of checkpoint.REQUIRED_KEYS
+        epoch, samples = int(state["epoch"]), int(state["samples_in_epoch"])
+        g = self.sampler.batches_for_samples(epoch, samples) if self.token_budget else samples
         self._origin = (epoch, k, g)
         if int(state.get("world_size", self.world)) != self.world and self.is_main:
             log.info(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,69 +40,67 @@ def dotted(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _first_difference(everyone: list[dict]) -> Optional[tuple[int, list, dict]]:
-    """The first rank whose dict differs from rank 0's and the differing keys (sorted), or None."""
-    first = everyone[0]
-    for r, theirs in enumerate(everyone):
-        keys = sorted(
-            k
-            for k in set(theirs) | set(first)
-            if theirs.get(k, "<absent>") != first.get(k, "<absent>")
-        )
-        if keys:
-            return r, keys, theirs
-    return None
+def _differing(first: dict, theirs: dict) -> list[str]:
+    """The keys whose values differ between two ranks' dicts (sorted; an absent key differs from any value)."""
+    return sorted(
+        k for k in set(theirs) | set(first) if theirs.get(k, "<absent>") != first.get(k, "<absent>")
+    )
+
+
+def _agree(d: Dist, mine: Any, refusal: Callable[[int, Any, Any], str]) -> None:
+    """UserError on every rank when some rank's ``mine`` differs from rank 0's: ``refusal(rank, rank 0's, its)`` of the
+    first such rank."""
+    if not d.distributed:
+        return
+    everyone = d.all_gather(mine)
+    r = next((r for r, theirs in enumerate(everyone) if theirs != everyone[0]), None)
+    if r is not None:
+        raise UserError(refusal(r, everyone[0], everyone[r]))
 
 
 def ranks_agree(d: Dist, mine: dict) -> None:
     """UserError on every rank when some rank's ``mine`` (dotted config keys and flags, :func:`dotted`) differs from rank
-    0's, naming the first such rank and the keys.
-    """
-    if not d.distributed:
-        return
-    everyone = d.all_gather(mine)
-    first, diff = everyone[0], _first_difference(everyone)
-    if diff:
-        r, keys, theirs = diff
+    0's, naming the first such rank and the keys."""
+
+    def refusal(r: int, first: dict, theirs: dict) -> str:
+        keys = _differing(first, theirs)
         shown = ", ".join(
             f"{k}: {first.get(k, '<absent>')!r} on rank 0, {theirs.get(k, '<absent>')!r} on rank {r}"
             for k in keys[:4]
         ) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
-        raise UserError(
+        return (
             f"torchrun rank {r} runs 04 with another config or command line than rank 0 ({shown}); "
             f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"
         )
 
+    _agree(d, mine, refusal)
+
 
 def same_data(d: Dist, inputs: dict, data_dir: Path) -> None:
     """UserError on every rank when some rank read other data than rank 0 (``inputs``:
-    :func:`eagle3.train.order.data_inputs`), naming the first such rank and the inputs.
-    """
-    if not d.distributed:
-        return
-    diff = _first_difference(d.all_gather(inputs))
-    if diff:
-        r, keys, _ = diff
-        raise UserError(
+    :func:`eagle3.train.order.data_inputs`), naming the first such rank and the inputs."""
+    _agree(
+        d,
+        inputs,
+        lambda r, first, theirs: (
             f"{data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
-            f"{', '.join(keys)}); every rank must read the same data folder and shards (a node with "
-            f"another copy?)"
-        )
+            f"{', '.join(_differing(first, theirs))}); every rank must read the same data folder and shards (a node "
+            f"with another copy?)"
+        ),
+    )
 
 
 def same_checkpoint(train_dir: Path, found: Optional[tuple], d: Dist) -> None:
     """UserError on every rank when some rank found another newest checkpoint (or none) than rank 0 on ``--resume``."""
-    if not d.distributed:
-        return
-    mine = None if found is None else (found[0].name, int(found[1]["step"]))
-    everyone = d.all_gather(mine)
     say = lambda w: "no checkpoint" if w is None else f"{w[0]} (step {w[1]})"  # noqa: E731
-    for r, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            raise UserError(
-                f"{ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank {r} found {say(theirs)}, rank 0 "
-                f"{say(everyone[0])}; every rank must see the same train.output_dir (a node-local folder?)"
-            )
+    _agree(
+        d,
+        None if found is None else (found[0].name, int(found[1]["step"])),
+        lambda r, first, theirs: (
+            f"{ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank {r} found {say(theirs)}, rank 0 {say(first)}; "
+            f"every rank must see the same train.output_dir (a node-local folder?)"
+        ),
+    )
 
 
 def any_rank(flag: bool, d: Dist) -> bool:

@@ -227,12 +227,18 @@ def test_pick_prompts_first_and_spread_by_hand():
         == pick_prompts(items, 11, "first")
         == pick_prompts(items, None)
     )
-    with pytest.raises(
-        UserError, match="benchmark.prompt_pick: must be one of first, spread, got 'random'"
-    ):
-        pick_prompts(items, 2, "random")
-    with pytest.raises(UserError, match="benchmark.num_prompts: must be >= 1"):
-        load_eval_prompts("mtbench", num_prompts=0)  # argument checked before any file is read
+
+
+def test_the_config_refuses_another_pick_or_no_prompts(tmp_path):
+    """pick_prompts takes what BenchmarkConfig (and 05's argparse types) let through: another prompt_pick or
+    num_prompts < 1 is refused by the config, naming the field."""
+    from eagle3.config import load_config
+
+    run = tmp_path / "run.yaml"
+    run.write_text("run_name: r\nverifier:\n  path: /models/x\nprompts:\n  source: humaneval\n")
+    for bad, field in (("prompt_pick=random", "prompt_pick"), ("num_prompts=0", "num_prompts")):
+        with pytest.raises(UserError, match=rf"benchmark\.{field}"):
+            load_config(run, [f"benchmark.{bad}"])
 
 
 @needs_shared_data

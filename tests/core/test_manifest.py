@@ -72,6 +72,15 @@ def test_require_names_the_first_differing_field_old_and_new(tmp_path):
         manifest.require(_data(), {"exclude_id_prefixes": ["p"]}, "03_prepare_data.py")
 
 
+def test_differing_lists_every_differing_field_in_order_less_the_tolerated():
+    found = _data()
+    needed = {"seed": 3, "draft_vocab_size": 24, "val_fraction": 0.1, "train_samples": 7}
+    assert manifest.differing(found, needed) == ["seed", "val_fraction", "train_samples"]
+    assert manifest.differing(
+        found, needed, tolerate=lambda name, old, now: old is None or name == "seed"
+    ) == ["val_fraction"]
+
+
 def test_shards_manifest_of_a_data_config_record(tmp_path):
     """02's data_config.json read as ShardsManifest: other keys ignored, absent ones None, a bad type one line."""
     where = tmp_path / "data_config.json"

@@ -184,6 +184,27 @@ def test_resume_ignores_half_written_and_corrupt_newest(tmp_path):
     assert ckpt.load_checkpoint(ckpt.ckpt_path(cfg.train_dir, 2))["step"] == 2  # rewritten, valid
 
 
+def _rec(world=None, **groups):
+    """A ResumeRecord of checkpoint groups (``data_order=``, ``recipe=``) and a process count."""
+    return resume_checks.ResumeRecord.of_state({**groups, "world_size": world})
+
+
+def _order(saved, now, worlds=(None, None)):
+    return resume_checks.data_order_problem(
+        _rec(worlds[0], data_order=saved), _rec(worlds[1], data_order=now)
+    )
+
+
+def _batch_change(saved, now, worlds):
+    return resume_checks.global_batch_change(
+        _rec(worlds[0], data_order=saved), _rec(worlds[1], data_order=now)
+    )
+
+
+def _recipe(saved, now):
+    return resume_checks.recipe_changes(_rec(recipe=saved), _rec(recipe=now))
+
+
 def test_data_order_problem_names_every_changed_key():
     same = {
         "train.seed": 0,
@@ -191,12 +212,10 @@ def test_data_order_problem_names_every_changed_key():
         "train.batch_size": 2,
         "train.grad_accum": 1,
     }
-    assert resume_checks.data_order_problem(dict(same), dict(same)) is None
+    assert _order(dict(same), dict(same)) is None
     # checkpoint from before the key: not checked
-    assert resume_checks.data_order_problem(None, dict(same)) is None
-    assert resume_checks.data_order_problem(
-        same, {**same, "train.grad_accum": 2, "train.seed": 5}
-    ).startswith(
+    assert _order(None, dict(same)) is None
+    assert _order(same, {**same, "train.grad_accum": 2, "train.seed": 5}).startswith(
         "written with train.grad_accum=1, train.seed=0 but the config has train.grad_accum=2, train.seed=5;"
     )
 
@@ -273,7 +292,7 @@ def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, c
 def test_a_loss_change_refusal_says_how_to_get_the_export_it_advises():
     """The refusal of a changed loss definition advised a warm start from "this one's export", which a run stopped
     before its end (the usual --resume) does not have: it now says that --export-only writes it from the checkpoint."""
-    problem, notes = resume_checks.recipe_changes({"train.ttt_length": 3}, {"train.ttt_length": 2})
+    problem, notes = _recipe({"train.ttt_length": 3}, {"train.ttt_length": 2})
     assert notes == [] and problem == (
         "--resume with another loss definition (train.ttt_length 3 -> 2); set them back, or start a new run from this "
         "one's export with train.init_from in a new train.output_dir (a run stopped before its end has none yet: "
@@ -375,9 +394,7 @@ def test_warnings_logged_during_a_resume_are_listed_in_the_report(tmp_path, capl
 
 def test_recipe_changes_say_which_value_is_used():
     saved = {"train.lr": 0.001, "train.grad_clip": 1.0, "train.step_weight": 1.0}
-    problem, notes = resume_checks.recipe_changes(
-        saved, {**saved, "train.lr": 0.05, "train.grad_clip": 0.5}
-    )
+    problem, notes = _recipe(saved, {**saved, "train.lr": 0.05, "train.grad_clip": 0.5})
     assert problem is None and notes == [
         "train.grad_clip 1.0 -> 0.5 (the new value applies from here on)",
         "train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state "
@@ -696,33 +713,30 @@ def test_data_order_lets_the_split_change_only_with_the_global_batch():
         "train.batch_size": 2,
         "train.grad_accum": 1,
     }
-    assert resume_checks.data_order_problem(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
-    assert (
-        resume_checks.data_order_problem(
-            saved, {**saved, "train.batch_size": 1, "train.grad_accum": 4}, (8, 4)
-        )
-        is None
-    )
-    assert (
-        resume_checks.global_batch_change(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
-    )
-    msg = resume_checks.data_order_problem(saved, {**saved, "train.grad_accum": 3}, (8, 4))
+    assert _order(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
+    assert _order(saved, {**saved, "train.batch_size": 1, "train.grad_accum": 4}, (8, 4)) is None
+    assert _batch_change(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
+    msg = _order(saved, {**saved, "train.grad_accum": 3}, (8, 4))
     assert msg.startswith(
         "written with train.grad_accum=1 but the config has train.grad_accum=3; resume keeps the "
         "data order only with the same seed and batching (train.batch_size and train.grad_accum may "
         "change only where they keep the global batch of 16: 2 x 1 x 8 then, 2 x 3 x 4 now)"
     ), msg
-    assert resume_checks.global_batch_change(saved, saved, (8, 4)) == (
+    assert _batch_change(saved, saved, (8, 4)) == (
         "global batch 16 -> 8 samples per optimizer step (train.batch_size x train.grad_accum x processes: 2 x 1 x 8 "
         "then, 2 x 1 x 4 now); --set train.grad_accum=2 keeps the checkpoint's"
     )
     budget = {**saved, "train.batch_tokens": 4096, "train.batch_size": None}
-    assert (
-        resume_checks.data_order_problem(budget, {**budget, "train.grad_accum": 2}, (2, 1)) is None
-    )
-    assert resume_checks.global_batch_change(budget, budget, (2, 1)).startswith(
+    assert _order(budget, {**budget, "train.grad_accum": 2}, (2, 1)) is None
+    assert _batch_change(budget, budget, (2, 1)).startswith(
         "global batch 2 -> 1 token-budget batches per optimizer step (train.grad_accum x processes: 1 x 2 then, 1 x 1 now)"
     )
-    assert (
-        resume_checks.data_order_problem(saved, {**saved, "train.grad_accum": 2}) is not None
-    )  # process counts unknown
+    assert _order(saved, {**saved, "train.grad_accum": 2}) is not None  # process counts unknown
+
+
+def test_a_malformed_checkpoint_record_is_one_line_naming_the_key():
+    """A checkpoint's data_order / recipe / data_inputs value of the wrong type is refused naming the key."""
+    with pytest.raises(UserError) as e:
+        resume_checks.ResumeRecord.of_state({"data_order": {"train.seed": "x"}}, "c.pt")
+    assert str(e.value).startswith("c.pt: key 'train.seed': Input should be a valid integer")
+    assert _rec(recipe={"train.lr": 0.1}).model_fields_set == {"train_lr", "written_by", "version"}

@@ -123,8 +123,18 @@ def test_dataset_item_concat_and_truncation(tmp_path):
 
 def test_read_split_errors_name_key(tmp_path):
     (tmp_path / "split.json").write_text(json.dumps({"train": [1, 2], "val": "x"}))
-    with pytest.raises(UserError, match=r"split.json: key 'val'"):
+    with pytest.raises(UserError) as e:
         read_split(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / 'split.json'}: field 'val' should be a list, got 'x'; re-run 03_prepare_data.py"
+    )
+    (tmp_path / "split.json").write_text(json.dumps({"train": [1, True], "val": []}))
+    with pytest.raises(
+        UserError, match=r"split.json: field 'train\[1\]' should be a valid integer"
+    ):
+        read_split(tmp_path)
+    (tmp_path / "split.json").write_text(json.dumps({"train": [1, 2], "val": [3]}))
+    assert read_split(tmp_path) == {"train": [1, 2], "val": [3]}
 
 
 def test_sampler_resume_and_distributed_partition():
