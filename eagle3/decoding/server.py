@@ -21,7 +21,6 @@ speedup = tokens/s ratio, greedy outputs compared.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,9 +30,17 @@ from tqdm import tqdm
 
 from eagle3.decoding.metrics import rates_from_hist, speedup_warning
 from eagle3.decoding.report import write_server_reports
+from eagle3.decoding.server_vllm import (
+    VLLM_REQUEST_KEYS,
+    counted,
+    http_json,
+    vllm_counters,
+    vllm_generate,
+    vllm_run_figures,
+    vllm_server_info,
+)
 from eagle3.errors import UserError
 from eagle3.io import read_json
-from eagle3.io.http import request_json, request_text
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +67,6 @@ INFO_KEYS = (
 )
 
 
-#: vLLM's spec-decode counters as ``/metrics`` names them (vLLM 0.32 ``v1/spec_decode/metrics.py``; a Prometheus
-#: counter ``x`` is exposed as ``x_total``), and the key :func:`vllm_counters` gives each.
-VLLM_COUNTERS = {
-    "vllm:spec_decode_num_drafts_total": "drafts",
-    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
-}
-#: one series per draft position (label ``position``, 0 .. num_speculative_tokens - 1)
-VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_POSITION = re.compile(r'position="(\d+)"')
-
-
-#: a vLLM request's own counts (:func:`_counted`, one request in flight): ``per_request`` keys
-VLLM_REQUEST_KEYS = ("verify_steps", "accepted_drafts", "accepted_per_pos")
-
 #: the line 05 --server logs when the first server ran no verify step, per engine
 NOT_SPECULATIVE = {
     "sglang": "server {url} reported no spec_verify_ct: was it started with --speculative-algorithm EAGLE3?",
@@ -86,17 +77,12 @@ NOT_SPECULATIVE = {
 }
 
 
-def _http(url: str, payload: Optional[dict] = None, timeout: float = 600.0) -> dict:
-    """:func:`eagle3.io.http.request_json` with errors named ``server {url}``."""
-    return request_json(url, payload, timeout, where=f"server {url}", unreachable="cannot connect")
-
-
 def detect_engine(url: str, timeout: float = 30.0) -> str:
     """The engine behind ``url``: ``"vllm"`` when ``GET {url}/v1/models`` lists a model ``owned_by: "vllm"`` (vLLM's
     OpenAI server; SGLang's cards say ``"sglang"``), else ``"sglang"`` (a server without that endpoint included:
     SGLang's ``/generate`` then says whether it is one)."""
     try:
-        cards = _http(url.rstrip("/") + "/v1/models", timeout=timeout)
+        cards = http_json(url.rstrip("/") + "/v1/models", timeout=timeout)
     except UserError:
         return "sglang"
     data = cards.get("data") if isinstance(cards, dict) else None
@@ -116,132 +102,10 @@ def server_info(url: str, timeout: float = 30.0, engine: Optional[str] = None) -
     if (engine or detect_engine(url, timeout)) == "vllm":
         return vllm_server_info(url, timeout)
     try:
-        info = _http(url.rstrip("/") + "/server_info", timeout=timeout)
+        info = http_json(url.rstrip("/") + "/server_info", timeout=timeout)
     except UserError:
         return {}
     return {k: info[k] for k in INFO_KEYS if isinstance(info, dict) and k in info}
-
-
-def vllm_server_info(url: str, timeout: float = 30.0) -> dict:
-    """A vLLM server's settings: ``engine`` ``"vllm"``, ``model_path`` (``/v1/models`` ``root``), ``version``
-    (``/version``); ``speculative_algorithm``, ``speculative_draft_model_path``, ``speculative_num_steps`` from its
-    ``speculative_config`` (``method``, ``model``, ``num_speculative_tokens``) when ``GET
-    {url}/server_info?config_format=json`` answers (vLLM serves it only with ``VLLM_SERVER_DEV_MODE=1``;
-    ``server_info`` True then), else ``speculative_num_steps`` from the number of per-position counters at
-    ``/metrics`` (``steps_from`` names the endpoint; absent when neither says)."""
-    base = url.rstrip("/")
-    info: dict = {"engine": "vllm", "server_info": False}
-    try:
-        cards = _http(base + "/v1/models", timeout=timeout).get("data") or [{}]
-        info["model_path"] = cards[0].get("root") or cards[0].get("id")
-    except (UserError, AttributeError, IndexError):
-        pass
-    try:
-        info["version"] = _http(base + "/version", timeout=timeout).get("version")
-    except (UserError, AttributeError):
-        pass
-    try:
-        full = _http(base + "/server_info?config_format=json", timeout=timeout)
-        spec = full["vllm_config"].get("speculative_config") or {}
-    except (UserError, KeyError, TypeError, AttributeError):
-        spec = None
-    if isinstance(spec, dict):
-        info.update(
-            server_info=True,
-            speculative_algorithm=spec.get("method"),
-            speculative_draft_model_path=spec.get("model"),
-            speculative_num_steps=spec.get("num_speculative_tokens"),
-            steps_from="/server_info",
-        )
-        return info
-    try:
-        steps = len(vllm_counters(url, timeout)["accepted_per_pos"])
-    except UserError:  # /metrics closed: the steps stay unknown
-        steps = 0
-    if steps:
-        info.update(speculative_num_steps=steps, steps_from="/metrics")
-    return info
-
-
-def vllm_counters(url: str, timeout: float = 30.0) -> dict:
-    """vLLM's spec-decode counters now (``GET {url}/metrics``), summed over engines and models: ``present`` (the server
-    exposes them: it speculates and logs stats), ``drafts``, ``draft_tokens``, ``accepted`` (ints) and
-    ``accepted_per_pos`` (one int per draft position).
-
-    Raises:
-        UserError: ``/metrics`` cannot be read.
-    """
-    text = request_text(
-        url.rstrip("/") + "/metrics", timeout, where=f"server {url}", unreachable="cannot connect"
-    )
-    out: dict = {"present": False, **{k: 0 for k in VLLM_COUNTERS.values()}}
-    per_pos: dict[int, int] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels, value = m.groups()
-        if name in VLLM_COUNTERS:
-            out["present"] = True
-            out[VLLM_COUNTERS[name]] += int(float(value))
-        elif name == VLLM_PER_POS:
-            pos = _POSITION.search(labels or "")
-            if pos is not None:
-                k = int(pos.group(1))
-                per_pos[k] = per_pos.get(k, 0) + int(float(value))
-    out["accepted_per_pos"] = (
-        [per_pos.get(k, 0) for k in range(max(per_pos) + 1)] if per_pos else []
-    )
-    return out
-
-
-def counters_delta(before: dict, after: dict) -> dict:
-    """``after - before`` of two :func:`vllm_counters` readings (``present`` from ``after``)."""
-    out = {k: after[k] - before[k] for k in VLLM_COUNTERS.values()}
-    prior = before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"])
-    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prior)]
-    return {"present": after["present"], **out}
-
-
-def vllm_generate(
-    url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 600.0
-) -> dict:
-    """One greedy ``/v1/completions`` request to vLLM (the prompt as token ids); the shape of :func:`generate`:
-    ``{output_ids, text, meta_info: {completion_tokens, finish_reason}, seconds}``.
-
-    Raises:
-        UserError: transport errors or no ``usage.completion_tokens`` in the response.
-    """
-    payload = {
-        "prompt": list(input_ids),
-        "max_tokens": max_new_tokens,
-        "temperature": 0,
-        "return_token_ids": True,
-    }
-    t0 = time.perf_counter()
-    out = _http(url.rstrip("/") + "/v1/completions", payload, timeout)
-    seconds = time.perf_counter() - t0
-    usage = out.get("usage") if isinstance(out, dict) else None
-    choices = out.get("choices") if isinstance(out, dict) else None
-    if (
-        not isinstance(usage, dict)
-        or not isinstance(usage.get("completion_tokens"), int)
-        or not choices
-    ):
-        raise UserError(
-            f"server {url}: /v1/completions response has no usage.completion_tokens or choices (is this vLLM?)"
-        )
-    choice = choices[0]
-    meta = {
-        "completion_tokens": usage["completion_tokens"],
-        "finish_reason": choice.get("finish_reason"),
-    }
-    return {
-        "output_ids": choice.get("token_ids"),
-        "text": choice.get("text"),
-        "meta_info": meta,
-        "seconds": seconds,
-    }
 
 
 def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 600.0) -> dict:
@@ -255,7 +119,7 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
     }
     t0 = time.perf_counter()
-    out = _http(url.rstrip("/") + "/generate", payload, timeout)
+    out = http_json(url.rstrip("/") + "/generate", payload, timeout)
     seconds = time.perf_counter() - t0
     if isinstance(out, list):  # a batched answer for a single prompt: take the first
         out = out[0] if out else {}
@@ -314,33 +178,24 @@ def bench_server(
     """Send every prompt to one server (``concurrency`` in flight) after one untimed warm-up.
 
     Returns:
-        ``url``, ``engine``, ``server_info``, ``num_prompts``, ``completion_tokens``, ``wall_seconds``,
-        ``output_tokens_per_s``, ``mean_request_tokens_per_s``, ``speculative``, ``warnings``; when speculative also
-        ``steps``, ``verify_steps``, ``tau``, ``accepted_hist``, ``conditional``, ``unconditional`` and, SGLang,
-        ``sglang_accept_length``, ``mean_spec_accept_length``, ``reported_accepted_hist`` (as reported),
-        ``histogram_trims`` (``accepted_hist`` is the emitted one), vLLM, ``accepted_drafts``, ``draft_tokens``,
-        ``accepted_per_pos`` (:func:`_vllm_figures`); ``per_request`` (vLLM at concurrency 1: each request's own
-        :data:`VLLM_REQUEST_KEYS`).
+        ``url``, ``engine``, ``server_info``, ``num_prompts``, ``completion_tokens``, ``wall_seconds``, tokens/s,
+        ``speculative``, ``warnings``, ``per_request``; when speculative, the figures of :func:`_spec_figures`
+        (SGLang) or :func:`eagle3.decoding.server_vllm.vllm_figures` (vLLM; per request at concurrency 1).
 
     Raises:
         UserError: the server cannot be reached or answers malformed responses.
     """
     engine = detect_engine(url)
     info = server_info(url, engine=engine)
-    send = vllm_generate if engine == "vllm" else generate
-    if engine == "vllm" and concurrency == 1:
-        send = _counted
+    vllm = engine == "vllm"
+    send = (counted if concurrency == 1 else vllm_generate) if vllm else generate
     send(url, prompts_ids[0][1], min(8, max_new_tokens), timeout)  # warm-up
-    before = vllm_counters(url) if engine == "vllm" else None
+    before = vllm_counters(url) if vllm else None
     results, wall = _send_all(
         url, send, prompts_ids, max_new_tokens, concurrency, timeout, label, progress
     )
     t = _tally_requests(prompts_ids, results)
-    if before is not None:
-        delta = counters_delta(before, vllm_counters(url))
-        t["verify"] = delta["drafts"] if delta["present"] else 0
-        t["verify_tokens"] = sum(max(0, p["completion_tokens"] - 1) for p in t["per_req"])
-    tokens, verify, per_req = t["tokens"], t["verify"], t["per_req"]
+    tokens, per_req = t["tokens"], t["per_req"]
     if t["trims"]["inconsistent"]:
         log.warning(
             "%s: %d requests report a draft histogram that does not match completion_tokens - 1; "
@@ -357,64 +212,27 @@ def bench_server(
         "concurrency": concurrency,
         "completion_tokens": tokens,
         "wall_seconds": wall,
-        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-        "mean_request_tokens_per_s": sum(
-            p["completion_tokens"] / p["seconds"] for p in per_req if p["seconds"] > 0
-        )
-        / len(per_req),
-        "speculative": verify > 0,
+        **_rates(tokens, wall, per_req),
         "warnings": [],
     }
-    if verify > 0 and before is not None:
-        res.update(_vllm_figures(delta))
-        if verify > t["verify_tokens"]:  # each verify step emits >= 1 token of some request
-            res["warnings"].append(
-                f"{url}/metrics counted {verify} verify steps while this run's requests emitted "
-                f"{t['verify_tokens']} tokens after their first: another client's requests ran on the server "
-                f"meanwhile and their drafts are in tau; benchmark a server no one else uses"
-            )
-    elif verify > 0:
-        res.update(_spec_figures(info, t))
+    if vllm:
+        emitted = sum(max(0, p["completion_tokens"] - 1) for p in per_req)
+        figures, res["warnings"] = vllm_run_figures(url, before, emitted)
+    else:
+        figures = _spec_figures(info, t) if t["verify"] > 0 else {}
+    res.update(figures, speculative=bool(figures))
     for w in res["warnings"]:
         log.warning("%s", w)
     res["per_request"] = per_req
     return res
 
 
-def _counted(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 600.0) -> dict:
-    """:func:`vllm_generate` with the request's own counts in its ``meta_info`` (:data:`VLLM_REQUEST_KEYS`): the
-    counter deltas around it, exact while it is the only request in flight (vLLM 0.32's ``AsyncLLM`` records a
-    step's stats before the HTTP answer can go out)."""
-    before = vllm_counters(url)
-    out = vllm_generate(url, input_ids, max_new_tokens, timeout)
-    d = counters_delta(before, vllm_counters(url))
-    if d["present"]:
-        out["meta_info"].update(
-            verify_steps=d["drafts"],
-            accepted_drafts=d["accepted"],
-            accepted_per_pos=d["accepted_per_pos"],
-        )
-    return out
-
-
-def _vllm_figures(delta: dict) -> dict:
-    """The EAGLE-3 figures of :func:`bench_server` from vLLM's counter deltas (:func:`counters_delta`) of a run that
-    drafted: ``steps`` = its draft positions (``num_speculative_tokens``), ``verify_steps`` = drafts, ``tau`` = 1 +
-    accepted / drafts, ``accepted_hist`` from the per-position counts (chain drafting: a step that accepted position
-    k accepted every position before it)."""
-    drafts, per_pos = delta["drafts"], delta["accepted_per_pos"]
-    steps = len(per_pos)
-    reach = [drafts, *per_pos, 0]  # reach[a]: verify steps that accepted >= a drafts
-    hist = [reach[a] - reach[a + 1] for a in range(steps + 1)]
+def _rates(tokens: int, wall: float, per_req: list[dict]) -> dict:
+    """``output_tokens_per_s`` (``tokens`` over the run's ``wall`` seconds) and ``mean_request_tokens_per_s``."""
+    each = [p["completion_tokens"] / p["seconds"] for p in per_req if p["seconds"] > 0]
     return {
-        "steps": steps,
-        "verify_steps": drafts,
-        "tau": 1 + delta["accepted"] / drafts,
-        "accepted_drafts": delta["accepted"],
-        "draft_tokens": delta["draft_tokens"],
-        "accepted_per_pos": per_pos,
-        "accepted_hist": hist,
-        **rates_from_hist(hist, steps),
+        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "mean_request_tokens_per_s": sum(each) / len(per_req),
     }
 
 
@@ -635,7 +453,7 @@ def served_model_path(url: str, timeout: float = 30.0) -> tuple[Optional[str], O
         return mp, "/v1/models" if info.get("engine") == "vllm" else "/server_info"
     for endpoint in ("/model_info", "/get_model_info"):
         try:
-            mi = _http(url.rstrip("/") + endpoint, timeout=timeout)
+            mi = http_json(url.rstrip("/") + endpoint, timeout=timeout)
         except UserError:
             continue
         mp = mi.get("model_path") if isinstance(mi, dict) else None

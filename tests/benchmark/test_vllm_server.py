@@ -20,14 +20,9 @@ from pathlib import Path
 import pytest
 from test_server_bench import PROMPTS, STEPS, _accepts, _bench_cli
 
-from eagle3.decoding.server import (
-    bench_server,
-    counters_delta,
-    detect_engine,
-    server_info,
-    vllm_counters,
-)
+from eagle3.decoding.server import bench_server, detect_engine, server_info
 from eagle3.decoding.server_checks import check_speculative_algorithm, draft_folder_warnings
+from eagle3.decoding.server_vllm import counters_delta, vllm_counters
 from eagle3.errors import UserError
 
 
@@ -174,7 +169,7 @@ def test_vllm_server_is_told_apart_from_sglang_by_its_model_cards():
 def test_vllm_counters_parse_prometheus_text_summed_over_engines(monkeypatch):
     """Two engines (data parallel) and two series per counter: summed; ``_created`` samples and other metrics are not
     counts; a delta is per key and per position."""
-    from eagle3.decoding import server as srv
+    from eagle3.decoding import server_vllm as srv
 
     text = "\n".join(
         [
