@@ -44,6 +44,8 @@ VOCAB_MAP_REFUSAL = (
     "Eagle3LlamaForCausalLM has no 'draft_id_to_target_id' when the draft vocab is the verifier's"
 )
 """Why this engine refuses a ``d2t`` where :func:`writes_vocab_map` is false."""
+MLA_MODEL_TYPE = "deepseek_v2"
+"""``model_type`` of an MLA drafter's ``config.json`` (:func:`mla_config`): one vLLM keeps as an EAGLE-3 draft."""
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 """Where ``config.json`` states the aux-layer ids."""
 
@@ -125,10 +127,14 @@ def mla_config(ds: dict, a: DrafterArgs, ids: list[int], block: dict) -> dict:
     ``--speculative-config '{"method": "eagle3", ...}'``): its DeepseekV3Config fields ``ds``
     (:func:`eagle3.drafter.draft_config.deepseek_config`), ``draft_vocab_size``, ``target_hidden_size``,
     ``norm_before_residual: false`` (read by ``DeepseekV2Eagle3DecoderLayer``), the EAGLE-3.1 keys, and the
-    top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM ids = HF indices)."""
+    top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM ids = HF indices). ``model_type`` is ``deepseek_v2`` (the
+    same fields, :data:`MLA_MODEL_TYPE`): vLLM 0.32 / 0.34 ``SpeculativeConfig.hf_config_override`` turns a
+    ``deepseek_v3`` draft into ``DeepSeekMTPModel``, which ``method: eagle3`` then refuses as
+    ``Eagle3DeepSeekMTPModel``."""
     return {
         "architectures": [MLA_ARCH],
         **ds,
+        "model_type": MLA_MODEL_TYPE,
         "draft_vocab_size": a.draft_vocab_size,
         "target_hidden_size": a.target_hidden_size,
         "norm_before_residual": False,
