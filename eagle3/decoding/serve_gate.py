@@ -101,6 +101,31 @@ def judge(
     return out
 
 
+def refused(
+    error: str, predicted: Sequence[dict], trained_layers: Sequence[int], steps: int
+) -> dict:
+    """The verdict on a folder the engine refused to serve (``error``: its last error line): :func:`judge`'s keys,
+    failed, with nothing served (``captured`` None, ``per_prompt`` empty) and 05's ``predicted_tau`` and
+    ``predicted_per_pos`` kept for the report."""
+    want = [predicted_counts(q, steps) for q in predicted]
+    return {
+        "captured": None,
+        "trained": list(trained_layers),
+        "lossless": False,
+        "layers_match": False,
+        "counts_match": False,
+        "served_tau": None,
+        "predicted_tau": tau(want),
+        "predicted_verify_steps": sum(c["verify_steps"] for c in want),
+        "predicted_accepted": sum(c["accepted"] for c in want),
+        "predicted_per_pos": [sum(c["per_pos"][k] for c in want) for k in range(steps)],
+        "per_prompt": [],
+        "refused": error,
+        "reasons": [f"the engine refused to serve it: {error}"],
+        "passed": False,
+    }
+
+
 def reasons(verdict: dict) -> list[str]:
     """Why a verdict of :func:`judge` fails, one line each (empty: it passes)."""
     out = []
@@ -137,6 +162,13 @@ def markdown(report: dict) -> str:
     ]
     for c in report["folders"]:
         v = c["verdict"]
+        if "refused" in v:
+            lines.append(
+                f"| {c['name']} | {c['role']} | - | {v['trained']} | refused | - / {v['predicted_verify_steps']} | "
+                f"- / {v['predicted_accepted']} | - | {_f(v['predicted_tau'])} | - | {v['predicted_per_pos']} | - | "
+                "FAIL |"
+            )
+            continue
         s = [r["served"] for r in v["per_prompt"]]
         q = [r["predicted"] for r in v["per_prompt"]]
         pos = [
@@ -150,6 +182,11 @@ def markdown(report: dict) -> str:
             f"{_f(v['served_tau'])} | {_f(v['predicted_tau'])} | {pos[0]} | {pos[1]} | "
             f"{_at_captured(c)} | {'pass' if v['passed'] else 'FAIL'} |"
         )
+    lines += [
+        f"\n{c['name']}: the engine refused to serve it: `{c['verdict']['refused']}`"
+        for c in report["folders"]
+        if "refused" in c["verdict"]
+    ]
     lines += ["", f"**Verdict: {'PASS' if report['passed'] else 'FAIL'}**: {report['summary']}", ""]
     return "\n".join(lines)
 

