@@ -89,7 +89,7 @@ def verifier_folder(cfg, out: Path) -> Path:
 
         v = cfg.verifier.model_copy(update={"dtype": "float32"})
         model, tok = vf.load_verifier(v, "cpu")
-        write_hf_folder(model, tok, folder)
+        write_hf_folder(model, tok, folder, source_weights=vf.weights_fingerprint(cfg.verifier))
     return folder
 
 

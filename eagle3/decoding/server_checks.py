@@ -30,6 +30,7 @@ from eagle3.export.reader import check_export_folder, preflight_export
 from eagle3.io.read import file_sha256
 from eagle3.shards.data_config import read_data_config
 from eagle3.shards.format import DATA_CONFIG
+from eagle3.verifier.hf_folder import SOURCE_FILE, source_weights
 from eagle3.verifier.load import weights_fingerprint
 
 #: per engine: the server setting that names the draft steps, where the algorithm is reported, the algorithm an
@@ -279,6 +280,8 @@ def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
             vcfg.model_copy(update={"path": str(folder), "gguf_file": gguf})
         )
         ours = weights_fingerprint(vcfg)
+        if ours and sp.is_dir() and source_weights(sp) == ours:
+            return "same weights", f"written from verifier.path's weights ({SOURCE_FILE})"
         if theirs and ours:
             return (
                 ("same weights", "a copy of its weight files")

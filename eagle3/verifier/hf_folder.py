@@ -4,6 +4,7 @@ vLLM or SGLang can serve it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -13,6 +14,9 @@ from safetensors.torch import save_file
 
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, disk_full_guard
+
+#: the folder's record of the weights it was written from (``{"verifier_weights": fingerprint}``)
+SOURCE_FILE = "eagle3_source.json"
 
 #: config keys of the loaded model that describe how it was loaded, not the model (the GGUF quantizer's record)
 LOAD_ONLY_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
@@ -29,9 +33,17 @@ def hf_config_dict(model, dtype: torch.dtype) -> dict:
 
 
 def write_hf_folder(
-    model, tokenizer, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32
+    model,
+    tokenizer,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    source_weights: str | None = None,
 ) -> Path:
     """Write ``model`` (a transformers causal LM) and ``tokenizer`` to ``out_dir`` as an HF folder, weights in ``dtype``.
+
+    ``source_weights``: the ``verifier_weights`` fingerprint of the files ``model`` was loaded from
+    (:func:`eagle3.verifier.load.weights_fingerprint`), recorded in :data:`SOURCE_FILE` so that a server of this
+    folder is known to serve those weights (05 ``--server``'s served-model check).
 
     Tied weights are written once (``lm_head.weight`` is left out when ``tie_word_embeddings``), as safetensors
     requires. The folder is written beside ``out_dir`` as ``.{name}.tmp`` and renamed into place; an earlier folder
@@ -61,6 +73,8 @@ def write_hf_folder(
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(str(tmp))
     atomic_write_json(tmp / "config.json", hf_config_dict(model, dtype))
+    if source_weights:
+        atomic_write_json(tmp / SOURCE_FILE, {"verifier_weights": source_weights})
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         atomic_write_json(tmp / "generation_config.json", gen.to_diff_dict())
@@ -71,3 +85,13 @@ def write_hf_folder(
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def source_weights(folder: str | os.PathLike) -> str | None:
+    """The ``verifier_weights`` fingerprint :func:`write_hf_folder` recorded in ``folder``, or None (no record)."""
+    try:
+        rec = json.loads((Path(folder) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    fp = rec.get("verifier_weights") if isinstance(rec, dict) else None
+    return fp if isinstance(fp, str) else None
