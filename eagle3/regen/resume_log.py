@@ -12,38 +12,33 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from pydantic import ValidationError
+
 from eagle3.chat.template import ANSWER_FIELDS, common_answer_fields
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
+from eagle3.manifest import PromptsManifest
 from eagle3.shards.manifest import read_append_log
-from eagle3.verifier.load import WEIGHTS_KEY, weights_differ
 
 log = logging.getLogger(__name__)
 
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
-# 01 settings (eagle3.stages.prompts_manifest.settings) recorded only where they change the output: ``seed`` with
-# ``sample_size`` or ``self_instruct``, ``hf_split`` with an ``hf:`` source, ``top_p`` with a sampling temperature, ``verifier_dtype`` with
-# the in-process regeneration. Reports and logs written before recorded them always.
-CONDITIONAL_KEYS = ("seed", "hf_split", "top_p", "verifier_dtype")
 
-
-def comparable_settings(old: dict, want: dict) -> dict:
-    """``old`` (recorded 01 settings) made comparable with ``want`` (this run's).
-
-    A :data:`CONDITIONAL_KEYS` key recorded on one side only follows the other (the setting that
-    decides whether it counts is compared itself); ``verifier_weights`` counts only when both record
-    it. Returns a new dict, equal to ``want`` exactly when the settings agree.
-    """
-    out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
-    out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
-    if not weights_differ(
-        out.get(WEIGHTS_KEY), want.get(WEIGHTS_KEY)
-    ):  # equal, or a side without one: want's
-        out.pop(WEIGHTS_KEY, None)
-        if WEIGHTS_KEY in want:
-            out[WEIGHTS_KEY] = want[WEIGHTS_KEY]
-    return out
+def settings_differ(old: Any, want: dict, where: Path) -> list[str]:
+    """The keys in which recorded 01 settings ``old`` differ from this run's ``want``: the
+    :class:`eagle3.manifest.PromptsManifest` fields (:meth:`~eagle3.manifest.PromptsManifest.differing`) when
+    ``want`` is one, else every key; ``["header"]`` when ``old`` is no mapping or does not read as ``want`` does."""
+    if not isinstance(old, dict):
+        return ["header"]
+    try:
+        now = PromptsManifest.make(**want)
+    except ValidationError:  # not 01's settings mapping: compared key by key
+        return sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
+    try:
+        return PromptsManifest.of_record(old, where).differing(now)
+    except UserError:
+        return ["header"]
 
 
 def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
@@ -111,17 +106,11 @@ class ResumeLog:
         done: dict[int, dict] = {}
         for j, (n, row, _) in enumerate(rows):
             if j == 0:  # the header
-                old = row.get("settings")
-                old = comparable_settings(old, self.settings) if isinstance(old, dict) else old
-                if old != self.settings:
-                    diff = sorted(
-                        k
-                        for k in set(old or {}) | set(self.settings)
-                        if (old or {}).get(k) != self.settings.get(k)
-                    )
+                diff = settings_differ(row.get("settings"), self.settings, self.path)
+                if diff:
                     raise UserError(
                         f"{self.path}: a regeneration was started here with other settings "
-                        f"({', '.join(diff) or 'header'} differ); rerun with those settings to resume, "
+                        f"({', '.join(diff)} differ); rerun with those settings to resume, "
                         "or pass --force to discard it and start over"
                     )
                 warning = older_fields_warning(

@@ -42,7 +42,6 @@ from eagle3.capture.prompts import (
     Sample,
     check_token_ids,
     read_prompts,
-    refuse_stale_prompts,
     self_instruct_dropped,
     tokenize,
 )
@@ -59,7 +58,7 @@ from eagle3.shards.data_config import write_data_config
 from eagle3.shards.format import DATA_CONFIG, TOKEN_BYTES_PER_TOKEN
 from eagle3.shards.fp8 import storage_from_config
 from eagle3.shards.write import NonFiniteStates
-from eagle3.stages.prompts_manifest import forced_path, read_report, report_changes
+from eagle3.stages.prompts_manifest import read_report, require_current
 from eagle3.verifier.load import weights_record
 
 log = logging.getLogger(__name__)
@@ -94,16 +93,6 @@ def tokenize_prompts(
         tokenizer, prompts, prompts_path, max_length=ex.max_length, too_long=ex.too_long,
         opts=opts, workers=ex.tokenize_workers,
     )  # fmt: skip
-
-
-def check_prompts_current(cfg: RunConfig) -> None:
-    """Refuse a ``prompts.jsonl`` that 01 made under other ``prompts:`` settings than ``cfg``'s, or one that an
-    unfinished ``01 --force`` was remaking (:func:`eagle3.capture.prompts.refuse_stale_prompts`). The report is
-    read once."""
-    forced = forced_path(cfg)
-    rep, report = (None, None) if forced.is_file() else read_report(cfg)
-    changed = [] if forced.is_file() else report_changes(cfg, report)
-    refuse_stale_prompts(forced, cfg.prompts_path, rep, report, changed)
 
 
 def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
@@ -300,7 +289,7 @@ def _extract(cfg, root, overwrite, limit, backend, tokenizer, d: Dist, ignore_di
     """The stage in named steps: check the prompts, nothing to do, prepare (plan + tokenize + disk check),
     capture + write, gather ranks, finalise."""
     t_start = time.perf_counter()
-    d.on_rank0(lambda: check_prompts_current(cfg))
+    d.on_rank0(lambda: require_current(cfg))
     try:
         mine: Any = flat_components(fingerprint(cfg, file_sha256(cfg.prompts_path))[1])
     except (UserError, OSError) as e:
