@@ -259,7 +259,7 @@ def _run(
         report = build_report(cfg, want, counts, steps, convs, regen_stats, answer_fields)
         if reused_info is not None:
             report["reused_answers"] = reused_info
-        # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
+        # settings the command line set (not the config): 02 does not compare them with its config (require_current)
         cli = (("source", source), ("format", fmt), ("regenerate", regenerate))
         report["cli_overrides"] = [k for k, v in cli if v is not None]
         report[SOURCE_STATS] = source_stats
