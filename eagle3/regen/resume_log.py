@@ -12,8 +12,6 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import ValidationError
-
 from eagle3.chat.template import ANSWER_FIELDS, common_answer_fields
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
@@ -26,17 +24,10 @@ PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
 
 def settings_differ(old: Any, want: dict, where: Path) -> list[str]:
-    """The keys in which recorded 01 settings ``old`` differ from this run's ``want``: the
-    :class:`eagle3.manifest.PromptsManifest` fields (:meth:`~eagle3.manifest.PromptsManifest.differing`) when
-    ``want`` is one, else every key; ``["header"]`` when ``old`` is no mapping or does not read as ``want`` does."""
-    if not isinstance(old, dict):
-        return ["header"]
+    """The :class:`eagle3.manifest.PromptsManifest` fields in which recorded 01 settings ``old`` differ from this
+    run's ``want`` (:meth:`~eagle3.manifest.PromptsManifest.differing`); ``["header"]`` when ``old`` does not read."""
     try:
-        now = PromptsManifest.make(**want)
-    except ValidationError:  # not 01's settings mapping: compared key by key
-        return sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
-    try:
-        return PromptsManifest.of_record(old, where).differing(now)
+        return PromptsManifest.of_record(old, where).differing(PromptsManifest.make(**want))
     except UserError:
         return ["header"]
 
@@ -81,7 +72,8 @@ class ResumeLog:
     finished conversation, fsynced before :meth:`append` returns. :meth:`load` drops a torn last line.
 
     Args:
-        path: the log file. settings: JSON fingerprint; a log of other settings is refused.
+        path: the log file. settings: 01's settings (:func:`eagle3.stages.prompts_manifest.settings`); a log
+            of other settings is refused.
     """
 
     def __init__(self, path: str | os.PathLike, settings: dict):

@@ -273,9 +273,9 @@ def test_answer_fields_of_an_older_or_hand_edited_01_are_said_in_one_line(tmp_pa
     from eagle3.regen.resume_log import ResumeLog, logged_answer_fields
 
     log_file = tmp_path / "prompts.regen-partial.jsonl"
-    log_file.write_text(json.dumps({"settings": {"s": 1}, "answer_fields": [1, None]}) + "\n")
+    log_file.write_text(json.dumps({"settings": REGEN, "answer_fields": [1, None]}) + "\n")
     with caplog.at_level(logging.WARNING):
-        assert ResumeLog(log_file, {"s": 1}).load([{"id": "a", "messages": []}]) == {}
+        assert ResumeLog(log_file, REGEN).load([{"id": "a", "messages": []}]) == {}
     assert caplog.messages == [
         f"{log_file}: resuming answers an older 01 wrote without tokens / truncated / stop_token on each answer "
         "(answer_fields: 1, None); they are kept as they are (02 counts an answer without stop_token as stopped on the "
