@@ -25,7 +25,7 @@ from eagle3.capture import resume
 from eagle3.capture.backends import checked_backend, shard_expect
 from eagle3.capture.base import CaptureBackend
 from eagle3.capture.disk_plan import NotEnoughDisk, plan_pending
-from eagle3.capture.dist import DIST_TIMEOUT, JOB, flat_components, gather_ranks, ranks_agree
+from eagle3.capture.dist import DIST_TIMEOUT, JOB, gather_ranks, ranks_agree
 from eagle3.capture.folder import (
     MANIFEST,
     REPORT_JSON,
@@ -291,7 +291,7 @@ def _extract(cfg, root, overwrite, limit, backend, tokenizer, d: Dist, ignore_di
     t_start = time.perf_counter()
     d.on_rank0(lambda: require_current(cfg))
     try:
-        mine: Any = flat_components(fingerprint(cfg, file_sha256(cfg.prompts_path))[1])
+        mine: Any = resume.flat_components(fingerprint(cfg, file_sha256(cfg.prompts_path))[1])
     except (UserError, OSError) as e:
         mine = f"cannot read {cfg.prompts_path}: {e}"
     ranks_agree(d, mine, cfg.shards_dir, cfg.prompts_path)
