@@ -76,6 +76,5 @@ def gather_ranks(
     if missing:
         raise RuntimeError(f"stage 02: samples {missing[:10]} were assigned to no rank (bug)")
     merge_rank_manifests(root)
-    return sum(g["written"] for g in ranks), max(
-        g["capture_s"] for g in ranks
-    )  # wall time of the parallel capture
+    # wall time of the parallel capture
+    return sum(g["written"] for g in ranks), max(g["capture_s"] for g in ranks)

@@ -270,9 +270,8 @@ def _verify(
     k, jj = D.shape[1], c.jj  # [k+1]
     vin = torch.cat([c.last[:, None], D], dim=1)  # [B, k+1]
     vpos = c.n[:, None] + jj  # [B, k+1]
-    c.vmask = torch.cat(
-        [c.vmask, c.ones], dim=1
-    )  # [B, S+k+1] every new slot real during this forward
+    # [B, S+k+1] every new slot real during this forward
+    c.vmask = torch.cat([c.vmask, c.ones], dim=1)
     out = _forward(verifier, vin, c.vmask, vpos, c.cache, hidden=True)
     c.cache = _returned_cache(out)
     logits = out.logits  # [B, k+1, V]

@@ -63,9 +63,8 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
             ("regeneration: failed conversations", reg["failed"]),
             ("regeneration: retried requests", reg["retries"]),
         ]
-    if "failed" in reg or reg.get(
-        "resumed"
-    ):  # a resumed run: its figures below cover the conversations it answered
+    # a resumed run: its figures below cover the conversations it answered
+    if "failed" in reg or reg.get("resumed"):
         rows += [
             (
                 "regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "

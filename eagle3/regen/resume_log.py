@@ -39,9 +39,8 @@ def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
     missing = [f for f in ANSWER_FIELDS if not (isinstance(fields, list) and f in fields)]
     if not missing:
         return None
-    have = (
-        ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"
-    )  # hand-edited: any items
+    # hand-edited: any items
+    have = ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"
     return (
         f"{path}: {what} an older 01 wrote without {' / '.join(missing)} on each answer (answer_fields: {have}); "
         f"they are kept as they are (02 counts an answer without stop_token as stopped on the template's "
@@ -157,9 +156,8 @@ class ResumeLog:
             for idx, conv in entries
         )
         with self._lock:
-            if (
-                self._f is None
-            ):  # the run is ending (Ctrl-C, error): these are redone by the next run
+            # the run is ending (Ctrl-C, error): these are redone by the next run
+            if self._f is None:
                 raise InterruptedError(f"{self.path}: closed")
             self._f.write(text)
             self._f.flush()

@@ -118,9 +118,8 @@ def main(cfg: RunConfig, *, overwrite: bool, limit: Optional[int], ignore_disk_c
     """02's command: :func:`run` (SIGTERM / Ctrl-C: one line, exit 143 / 130), then its summary lines."""
     with resume_on_interrupt(lambda: interrupt_hint(cfg)):
         s = run(cfg, overwrite=overwrite, limit=limit, ignore_disk_check=ignore_disk_check)
-    if "samples" in s and not s.get(
-        "up_to_date"
-    ):  # torchrun rank > 0: rank 0 reports; up to date: logged
+    # torchrun rank > 0: rank 0 reports; up to date: logged
+    if "samples" in s and not s.get("up_to_date"):
         print("\n".join(summary_lines(s)))
     return 0
 

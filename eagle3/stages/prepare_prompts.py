@@ -244,18 +244,15 @@ def _run(
         cfg.prompts, cfg.verifier.think_tags, cfg.self_instruct_path, limit
     )
     with writer_lock(cfg):  # one 01 per output folder (its resume log, prompts.jsonl)
-        if (
-            force and is_rank0()
-        ):  # before anything changes: a run stopped from here on is redone by the next
+        # before anything changes: a run stopped from here on is redone by the next
+        if force and is_rank0():
             mark_forced(cfg)
         convs, regen_stats, reused_info = _answers(cfg, convs, want, force)
-        if (
-            convs is None
-        ):  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+        # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+        if convs is None:
             return 0
-        answer_fields = regen_stats.pop(
-            "answer_fields", list(ANSWER_FIELDS)
-        )  # what every answer records
+        # what every answer records
+        answer_fields = regen_stats.pop("answer_fields", list(ANSWER_FIELDS))
         report = build_report(cfg, want, counts, steps, convs, regen_stats, answer_fields)
         if reused_info is not None:
             report["reused_answers"] = reused_info

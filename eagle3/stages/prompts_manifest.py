@@ -76,9 +76,8 @@ def settings(
             else {"sources": [source_fingerprint(x, known, seen) for x in pc.source]}
         ),
     }
-    if (
-        pc.sample_size is not None or pc.self_instruct is not None
-    ):  # the sample's and the self-instruct sampling's
+    # the sample's and the self-instruct sampling's
+    if pc.sample_size is not None or pc.self_instruct is not None:
         s["seed"] = pc.seed  # seed; without either it picks nothing
     if any(x.startswith("hf:") for x in sources):  # the split read from a Hugging Face dataset
         s["hf_split"] = pc.hf_split
@@ -86,9 +85,8 @@ def settings(
         s.update(_regenerate_settings(cfg))
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
-    if (
-        pc.self_instruct is not None
-    ):  # its settings, and its file (remade when its own report's settings change)
+    # its settings, and its file (remade when its own report's settings change)
+    if pc.self_instruct is not None:
         # batch_size is left out: the file's sha256 covers it, and reports made before it was a key stay up to date
         s["self_instruct"] = {
             **pc.self_instruct.model_dump(exclude={"batch_size"}),
@@ -107,9 +105,8 @@ def _regenerate_settings(cfg: RunConfig) -> dict:
         verifier=cfg.verifier.display_name(),
         chat_template=cfg.verifier.chat_template,
     )
-    if (
-        pc.regenerate_via == "local"
-    ):  # the weights and dtype that answer (endpoints answer with their own model)
+    # the weights and dtype that answer (endpoints answer with their own model)
+    if pc.regenerate_via == "local":
         s.update(verifier_dtype=cfg.verifier.dtype, **weights_record(cfg.verifier))
     # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
     # so reports written before these settings existed stay up to date)
@@ -173,9 +170,8 @@ def require_current(cfg: RunConfig) -> None:
             config first`` (+ the command-line flags to give again), or the marker's line.
     """
     forced = forced_path(cfg)
-    if (
-        forced.is_file()
-    ):  # its report still matches, but 01 was told to remake it and did not finish
+    # its report still matches, but 01 was told to remake it and did not finish
+    if forced.is_file():
         raise UserError(
             f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {cfg.prompts_path} is the "
             f"one from before it; re-run 01 (the same command without --force resumes it) first"
@@ -263,9 +259,8 @@ def build_report(
             ),
         },
     }
-    if (
-        pc.regenerate
-    ):  # what every answer records (an up-to-date check names a file written without them)
+    # what every answer records (an up-to-date check names a file written without them)
+    if pc.regenerate:
         report["answer_fields"] = list(answer_fields)
     if regen_stats:
         secs = regen_stats["seconds"]
