@@ -16,13 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import (
-    BaseModel,
-    Field,
-    StrictBool,
-    StrictInt,
-    StrictStr,
-)
+from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from eagle3.capture.tokenize_pool import map_records
 from eagle3.chat.samples import conversation_samples

@@ -102,10 +102,7 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
         ("regeneration: new tokens", reg["new_tokens"]),
         ("regeneration: truncated answers", reg["truncated"]),
         ("regeneration: seconds", f"{reg['seconds']:.1f}"),
-        (
-            "regeneration: tokens/s",
-            f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a",
-        ),
+        ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a"),
     ]
     return rows
 

@@ -33,16 +33,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from eagle3.process_group import rank_tag
-from eagle3.regen.flex_compat import (
-    kv_blocks_params,
-    raise_recompile_limit,
-)
+from eagle3.regen.flex_compat import kv_blocks_params, raise_recompile_limit
 from eagle3.regen.kv_cache import SlotCache, check_kv_fits, host_available_bytes
-from eagle3.regen.packed_prefill import (
-    PackedBuffers,
-    compiled_packed_flex,
-    eager_packed_flex,
-)
+from eagle3.regen.packed_prefill import PackedBuffers, compiled_packed_flex, eager_packed_flex
 from eagle3.regen.slot_attention import AttentionSwap, flex_decode
 from eagle3.regen.slot_decode import SlotDecode
 from eagle3.regen.slot_policy import (
@@ -173,12 +166,7 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         self._swap = AttentionSwap(model).__enter__()
 
     def _init_options(
-        self,
-        model,
-        slots: int,
-        max_len: int,
-        max_new_tokens: int,
-        check_every: int,
+        self, model, slots: int, max_len: int, max_new_tokens: int, check_every: int
     ) -> None:
         """Checked sizes (ValueError naming the argument) and the engine's fixed sizes."""
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:

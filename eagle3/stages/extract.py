@@ -91,7 +91,7 @@ def tokenize_prompts(
     opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     return tokenize(
         tokenizer, prompts, prompts_path, max_length=ex.max_length, too_long=ex.too_long,
-        opts=opts, workers=ex.tokenize_workers,
+        opts=opts, workers=ex.tokenize_workers
     )  # fmt: skip
 
 
@@ -245,7 +245,7 @@ def _prepare(cfg, root, overwrite, limit, backend, tokenizer, d: Dist, ignore_di
             root, todo, hidden_size=info["hidden_size"], storage=storage_from_config(ex),
             tokens_only=token_only(cfg), rows_per_dir=ex.rows_per_dir, margin=ex.disk_margin,
             margin_bytes=ex.disk_margin_bytes, skipped_ids=skipped_ids, ignore=ignore_disk,
-            freed_by_overwrite=freed,
+            freed_by_overwrite=freed
         )  # fmt: skip
 
     if overwrite:  # plan first (nothing will be resumed), delete only when it fits
@@ -268,7 +268,7 @@ def _up_to_date(cfg: RunConfig, root: Path, limit: Optional[int], d: Dist) -> Op
     finished = d.on_rank0(
         lambda: resume.finished_report(
             root, cfg.prompts_path, limit, lambda sha: fingerprint(cfg, sha)[0],
-            lambda: weights_record(cfg.verifier), cfg.extract.rows_per_dir,
+            lambda: weights_record(cfg.verifier), cfg.extract.rows_per_dir
         )
     )  # fmt: skip
     if finished is None:
@@ -339,7 +339,7 @@ def _capture(cfg, root, p: _Prepared, mine, d: Dist, my_tok: int, shown_done: in
             root / MANIFEST if d.world == 1 else root / rank_manifest_name(d.rank),
             rows_per_dir=ex.rows_per_dir, batch_tokens=ex.batch_tokens,
             write_threads=default_write_threads() if ex.write_threads is None else ex.write_threads,
-            storage=storage_from_config(ex), hidden_size=p.info["hidden_size"], bar=bar,
+            storage=storage_from_config(ex), hidden_size=p.info["hidden_size"], bar=bar
         )  # fmt: skip
     except NonFiniteStates as e:
         dtype = cfg.verifier.dtype if ex.backend == "hf" else None
@@ -352,7 +352,7 @@ def _finalise(cfg, root, p: _Prepared, n_resumed, written, t_cap, captured_tok, 
         cfg.verifier, cfg.extract, tokens_only=token_only(cfg), info=p.info, aux=p.aux,
         tokenizer=p.tokenizer, fp=p.fp, prompts_sha=p.prompts_sha, prompts_path=cfg.prompts_path,
         rows=[p.done[k] for k in sorted(p.done)], counts=p.counts, skipped_ids=p.skipped_ids,
-        weights=weights_record(cfg.verifier),
+        weights=weights_record(cfg.verifier)
     )  # fmt: skip
     write_data_config(root, meta)
     bpt = TOKEN_BYTES_PER_TOKEN if token_only(cfg) else meta["bytes_per_token"]
