@@ -165,7 +165,7 @@ def run(
     Raises:
         UserError: bad input, nothing left to write, or a verifier that cannot be loaded; nothing is written then.
     """
-    cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
+    cfg = apply_overrides(cfg, source, fmt, regenerate)
     if not _replicated(cfg) and not is_rank0():
         return 0  # under torchrun only the in-process regeneration has work for every rank: rank 0 does the rest
     # under torchrun with the replicas: their gloo group, made here so the ranks can agree on the up-to-date check
@@ -342,13 +342,12 @@ def apply_overrides(
     source: Optional[str],
     fmt: Optional[str],
     regenerate: Optional[bool],
-    limit: Optional[int],
 ) -> RunConfig:
     """``cfg`` with the CLI's ``--source``/``--format``/``--regenerate`` applied and validated.
 
     Raises:
         UserError: an override the ``prompts`` schema refuses (named ``--<option> (prompts.<field>)``, with the
-            value), or ``limit < 1``.
+            value). ``--limit`` is checked by 01's argument type (``positive_int``).
     """
     upd = {
         k: v
@@ -368,8 +367,6 @@ def apply_overrides(
                 f"{name}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
             ) from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit: must be >= 1, got {limit}")
     return cfg
 
 

@@ -240,7 +240,7 @@ def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, ti
         UserError,
         match=r"^prompts.reuse_answers: reuses regenerated answers, but prompts.regenerate",
     ):
-        apply_overrides(cfg, None, None, False, None)  # --no-regenerate
+        apply_overrides(cfg, None, None, False)  # --no-regenerate
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
 
 
