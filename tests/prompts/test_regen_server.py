@@ -28,7 +28,8 @@ from eagle3.config import PromptsConfig
 from eagle3.config.prompts import RegenServerConfig
 from eagle3.errors import UserError
 from eagle3.regen.endpoints import EndpointPool, RetryPolicy
-from eagle3.regen.regen_server import ResumeLog, regenerate_via_server
+from eagle3.regen.regen_server import regenerate_via_server
+from eagle3.regen.resume_log import ResumeLog
 
 SETTINGS = REGEN  # 01's settings as its resume log header records them
 
