@@ -75,7 +75,8 @@ def _regenerate(
 ) -> Optional[list[dict]]:
     """Regenerate the answers in-process (``local``, over the torchrun replicas if any: None on ranks > 0)
     or through the configured endpoints."""
-    pc, opts, max_context = cfg.prompts, _chat_options(cfg), max_context_tokens(cfg)
+    pc, max_context = cfg.prompts, max_context_tokens(cfg)
+    opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     if pc.regenerate_via == "local":
         if pc.temperature != 0 or pc.top_p != 1:
             raise UserError(
@@ -111,10 +112,6 @@ def _regenerate(
         stats=stats,
         max_context=max_context,
     )
-
-
-def _chat_options(cfg: RunConfig) -> ChatOptions:
-    return ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
 
 
 def _regenerate_reusing(
