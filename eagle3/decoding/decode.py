@@ -43,6 +43,7 @@ from eagle3.decoding.common import (
 from eagle3.decoding.sampling import Sampler
 from eagle3.drafter.caches import DrafterCache
 from eagle3.engines.layers import check_aux_layers
+from eagle3.errors import UserError
 from eagle3.sdpa import no_cudnn_sdpa
 
 
@@ -375,12 +376,15 @@ def speculative_generate_batch(
         eos_ids: a row stops after emitting one (kept).
         reference: greedy's per-prompt tokens: first difference and gap recorded in
             :attr:`SpecResult.mismatch` / :attr:`SpecResult.gap`.
-        check_every: rounds between host checks. sampler: temperature > 0 (then ``reference`` is None: sampled
-            output has no token-by-token reference, and :mod:`eagle3.decoding.offline` passes none).
+        check_every: rounds between host checks. sampler: temperature > 0 (no ``reference``).
 
     Raises:
-        UserError: bad ``aux_layers``, an empty prompt.
+        UserError: bad ``aux_layers``, an empty prompt, a ``reference`` with a ``sampler``.
     """
+    if sampler is not None and reference is not None:
+        raise UserError(
+            "reference: sampled output (temperature > 0) has no token-by-token reference"
+        )
     num_layers = verifier.config.get_text_config().num_hidden_layers
     aux_layers = check_aux_layers(aux_layers, num_layers, field="aux_layers")
     rows = check_prompts(prompts)
