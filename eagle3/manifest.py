@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, Optional, TypeVar
 
 from pydantic import (
     AliasChoices,
@@ -33,6 +33,8 @@ from eagle3.io import atomic_write_bytes, read_json
 FILE = "eagle3_manifest.json"
 
 M = TypeVar("M", bound="Manifest")
+Tolerate = Callable[[str, Any, Any], bool]
+"""``(field, recorded, now) -> True`` when that difference is accepted."""
 
 
 class Manifest(BaseModel):
@@ -217,15 +219,15 @@ class PromptsManifest(Manifest):
     extra_body: Optional[dict[str, Any]] = Field(None, title="prompts.server.extra_body")
     top_p: Optional[float] = Field(None, title="prompts.top_p")
 
-    def differing(self, now: PromptsManifest) -> list[str]:
-        """The fields whose value ``now`` differs from the recorded one, in field order; a :attr:`CONDITIONAL` field
-        only when both record it (not None or empty)."""
-        return [
-            k
-            for k in type(self).model_fields
-            if getattr(self, k) != getattr(now, k)
-            and not (k in self.CONDITIONAL and {getattr(self, k), getattr(now, k)} & {None, ""})
-        ]
+    def changed(self, now: PromptsManifest) -> list[str]:
+        """The fields whose value ``now`` differs from the recorded one (:func:`differing`), in field order; a
+        :attr:`CONDITIONAL` field only when both record it (not None or empty)."""
+        every = {k: getattr(now, k) for k in type(self).model_fields}
+        return differing(self, every, self._one_side_only)
+
+    @classmethod
+    def _one_side_only(cls, name: str, old: Any, now: Any) -> bool:
+        return name in cls.CONDITIONAL and bool({old, now} & {None, ""})
 
     @model_validator(mode="before")
     @classmethod
@@ -324,12 +326,26 @@ def read(folder: str | os.PathLike, model: type[M]) -> M:
     return found
 
 
+def differing(
+    found: Manifest, needed: Mapping[str, Any], tolerate: Optional[Tolerate] = None
+) -> list[str]:
+    """The fields of ``needed`` (``{field: value now}``, in its order) whose recorded value differs, less those
+    ``tolerate(field, recorded, now)`` accepts."""
+    return [
+        name
+        for name, now in needed.items()
+        if getattr(found, name) != now
+        and not (tolerate and tolerate(name, getattr(found, name), now))
+    ]
+
+
 def require(found: Manifest, needed: Mapping[str, Any], stage_to_rerun: str) -> None:
     """Stop at the first field of ``needed`` (``{field: value now}``, in its order) whose recorded value differs.
 
     Raises:
         UserError: ``<file>: <field title> <recorded> -> <now>; re-run <stage_to_rerun>``.
     """
-    for name, now in needed.items():
-        if getattr(found, name) != now:
-            raise UserError(f"{found.where}: {found.change(name, now)}; re-run {stage_to_rerun}")
+    for name in differing(found, needed)[:1]:
+        raise UserError(
+            f"{found.where}: {found.change(name, needed[name])}; re-run {stage_to_rerun}"
+        )

@@ -112,7 +112,7 @@ def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Opt
     if isinstance(old, str):
         return old
     now = PromptsManifest.make(**want)
-    if keys := old.differing(now):
+    if keys := old.changed(now):
         return "settings changed: " + "; ".join(old.change(k, getattr(now, k)) for k in keys)
     if _had_failures(report):
         return "conversations failed to regenerate last time: retrying them"
@@ -125,7 +125,7 @@ def up_to_date(report: Optional[dict], want: dict) -> bool:
     old = recorded(report, Path(REPORT_NAME))
     return (
         not isinstance(old, str)
-        and not old.differing(PromptsManifest.make(**want))
+        and not old.changed(PromptsManifest.make(**want))
         and not _had_failures(report)
     )
 

@@ -25,9 +25,9 @@ PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
 def settings_differ(old: Any, want: dict, where: Path) -> list[str]:
     """The :class:`eagle3.manifest.PromptsManifest` fields in which recorded 01 settings ``old`` differ from this
-    run's ``want`` (:meth:`~eagle3.manifest.PromptsManifest.differing`); ``["header"]`` when ``old`` does not read."""
+    run's ``want`` (:meth:`~eagle3.manifest.PromptsManifest.changed`); ``["header"]`` when ``old`` does not read."""
     try:
-        return PromptsManifest.of_record(old, where).differing(PromptsManifest.make(**want))
+        return PromptsManifest.of_record(old, where).changed(PromptsManifest.make(**want))
     except UserError:
         return ["header"]
 

@@ -88,7 +88,7 @@ def _read_rows(path: Path) -> list[dict]:
 
 def check_settings(report: dict, want: dict, report_file: Path) -> None:
     """Refuse an earlier report (:class:`EarlierReport`) whose settings differ from this run's ``want`` on a
-    :data:`REGEN_KEYS` key (compared as :meth:`eagle3.manifest.PromptsManifest.differing` does), naming the
+    :data:`REGEN_KEYS` key (compared as :meth:`eagle3.manifest.PromptsManifest.changed` does), naming the
     first; older ``answer_fields`` only warn (:func:`eagle3.regen.resume_log.older_fields_warning`)."""
     rec = validated(
         EarlierReport,
@@ -103,7 +103,7 @@ def check_settings(report: dict, want: dict, report_file: Path) -> None:
         log.warning(warning)
     old = PromptsManifest.of_record(rec.settings, report_file)
     now = PromptsManifest.make(**want)
-    diff = old.differing(now)
+    diff = old.changed(now)
     k = next((k for k in REGEN_KEYS if k in diff), None)
     if k is not None:
         weights = k == "verifier_weights"

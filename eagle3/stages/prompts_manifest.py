@@ -186,7 +186,7 @@ def require_current(cfg: RunConfig) -> None:
     skip = _NOT_PROMPTS_SECTION | set(cli if isinstance(cli, list) else [])
     if "regenerate" in skip and found.regenerate != now.regenerate:
         skip |= _REGEN_KEYS
-    needed = {k: getattr(now, k) for k in found.differing(now) if k not in skip}
+    needed = {k: getattr(now, k) for k in found.changed(now) if k not in skip}
     given = report.get("cli_overrides", [])  # settings 01 took from its command line: needed again
     given = (
         [k for k in given if k in ("source", "format", "regenerate")]

@@ -135,15 +135,15 @@ def test_prompts_manifest_compares_conditional_keys_only_when_both_record_them(t
     old = manifest.PromptsManifest.of_record({**base, "seed": 0, "verifier_weights": "w1"}, rep)
     now = manifest.PromptsManifest.make(**base)
     assert old.source == [{"source": "a.jsonl", "bytes": 3, "sha256": "aa" * 32}]
-    assert old.differing(now) == []  # seed and weights recorded on one side only
-    assert old.differing(manifest.PromptsManifest.make(**base, seed=1, verifier_weights="w2")) == [
+    assert old.changed(now) == []  # seed and weights recorded on one side only
+    assert old.changed(manifest.PromptsManifest.make(**base, seed=1, verifier_weights="w2")) == [
         "seed",
         "verifier_weights",
     ]
     listed = {k: v for k, v in base.items() if k not in ("source", "bytes", "sha256")}
     listed["sources"] = [{"source": "a.jsonl", "bytes": 4, "sha256": "bb" * 32}]
     edited = manifest.PromptsManifest.make(**listed)
-    assert old.differing(edited) == ["source"]
+    assert old.changed(edited) == ["source"]
     with pytest.raises(UserError) as e:
         manifest.require(old, {"source": edited.source}, "01_prepare_prompts.py")
     assert str(e.value) == f"{rep}: the content of a.jsonl changed; re-run 01_prepare_prompts.py"
