@@ -24,6 +24,7 @@ from pydantic import (
     PrivateAttr,
     StrictInt,
     ValidationError,
+    model_validator,
 )
 
 from eagle3.errors import UserError
@@ -58,6 +59,10 @@ class Manifest(BaseModel):
     def where(self) -> str:
         """The file it was read from (for messages), or the stage's manifest when built in memory."""
         return str(self._path) if self._path is not None else f"{self.STAGE}'s {FILE}"
+
+    def change(self, name: str, now: Any) -> str:
+        """How field ``name`` changed, for :func:`require`'s line: ``<title> <recorded> -> <now>``."""
+        return f"{type(self).model_fields[name].title or name} {getattr(self, name)!r} -> {now!r}"
 
     @classmethod
     def of_record(cls: type[M], record: Mapping[str, Any], where: str | os.PathLike) -> M:
@@ -169,6 +174,113 @@ class DrafterManifest(Manifest):
         return cls.of_record(read_json(path), path) if path.is_file() else None
 
 
+class PromptsManifest(Manifest):
+    """Stage 01's ``prompts.jsonl``: the ``settings`` its ``prompts_report.json`` records (every input that decides
+    the file; :func:`eagle3.stages.prompts_manifest.settings`), read by :meth:`Manifest.of_record`. A source is one
+    ``source`` (+ its ``bytes`` / ``sha256`` when a file) or a ``sources`` list of such; the settings of
+    ``prompts.regenerate`` and the keys of :attr:`CONDITIONAL` are None where the settings leave them out."""
+
+    STAGE: ClassVar[str] = "01_prepare_prompts.py"
+    # recorded only where they change the output (and, for the weights, where weight files were found): compared
+    # only when both sides record one (for the weights: eagle3.verifier.load.weights_differ's rule)
+    CONDITIONAL: ClassVar[tuple[str, ...]] = (
+        "seed",
+        "hf_split",
+        "top_p",
+        "verifier_dtype",
+        "verifier_weights",
+    )
+    source: list[dict[str, Any]] = Field(title="prompts.source")  # [{source, bytes?, sha256?}]
+    format: str = Field(title="prompts.format")
+    sample_size: Optional[int] = Field(title="prompts.sample_size")
+    dedupe: bool = Field(title="prompts.dedupe")
+    system_prompt: Optional[str] = Field(title="prompts.system_prompt")
+    regenerate: bool = Field(title="prompts.regenerate")
+    limit: Optional[int] = Field(title="--limit")
+    seed: Optional[int] = Field(None, title="prompts.seed")
+    hf_split: Optional[str] = Field(None, title="prompts.hf_split")
+    think_tags: Optional[list[str]] = Field(None, title="verifier.think_tags")
+    self_instruct: Optional[dict[str, Any]] = Field(None, title="prompts.self_instruct")
+    max_new_tokens: Optional[int] = Field(None, title="prompts.max_new_tokens")
+    max_context_tokens: Optional[int] = Field(
+        None, title="max_context_tokens (prompts.max_context_tokens, else extract.max_length)"
+    )
+    verifier: Optional[str] = Field(None, title="verifier (verifier.name / verifier.path)")
+    chat_template: Optional[str] = Field(None, title="verifier.chat_template")
+    verifier_dtype: Optional[str] = Field(None, title="verifier.dtype")
+    verifier_weights: Optional[str] = Field(None, title="the weights at verifier.path")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, title="verifier.chat_template_kwargs"
+    )
+    reply_start: Optional[str] = Field(None, title="verifier.reply_start")
+    regenerate_via: Optional[str] = Field(None, title="prompts.regenerate_via")
+    temperature: Optional[float] = Field(None, title="prompts.temperature")
+    model: Optional[str] = Field(None, title="prompts.server.model")
+    extra_body: Optional[dict[str, Any]] = Field(None, title="prompts.server.extra_body")
+    top_p: Optional[float] = Field(None, title="prompts.top_p")
+
+    def changed(self, now: PromptsManifest) -> list[str]:
+        """The fields whose value ``now`` differs from the recorded one (:func:`differing`), in field order; a
+        :attr:`CONDITIONAL` field only when both record it (not None or empty)."""
+        every = {k: getattr(now, k) for k in type(self).model_fields}
+        return differing(self, every, self._one_side_only)
+
+    @classmethod
+    def _one_side_only(cls, name: str, old: Any, now: Any) -> bool:
+        return name in cls.CONDITIONAL and bool({old, now} & {None, ""})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_source_list(cls, data: Any) -> Any:
+        """``source`` (+ ``bytes`` / ``sha256``) or a ``sources`` list, as recorded, into one list of fingerprints."""
+        if not isinstance(data, dict) or isinstance(data.get("source"), list):
+            return data
+        data = dict(data)
+        if "sources" in data:
+            many = data.pop("sources")
+            data["source"] = [x if isinstance(x, dict) else {"source": x} for x in many or []]
+        elif "source" in data:
+            fp = {k: data.pop(k) for k in ("source", "bytes", "sha256") if k in data}
+            data["source"] = [fp]
+        return data
+
+    def change(self, name: str, now: Any) -> str:
+        """A source by its names, or ``the content of <file> changed`` (never its hashes); ``prompts.self_instruct``
+        one ``prompts.self_instruct.<key> <old> -> <new>`` per changed key; values cut to 200 characters."""
+        if name == "source":
+            return _source_change(self.source, now)
+        old = getattr(self, name)
+        if name == "self_instruct" and isinstance(old, dict) and isinstance(now, dict):
+            return "; ".join(
+                f"the content of {now[k]['source']} changed"
+                if isinstance(now.get(k), dict)
+                and isinstance(old.get(k), dict)
+                and old[k].get("source") == now[k].get("source")
+                else f"prompts.self_instruct.{k} {_brief(old.get(k))} -> {_brief(now.get(k))}"
+                for k in sorted(set(old) | set(now))
+                if old.get(k) != now.get(k)
+            )
+        return f"{type(self).model_fields[name].title} {_brief(old)} -> {_brief(now)}"
+
+
+def _brief(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a chat template, a mapping) for one line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _source_change(old: list[dict[str, Any]], now: list[dict[str, Any]]) -> str:
+    """``prompts.source <old names> -> <new names>`` when the names differ, else ``the content of <file> changed``
+    for each file whose size or SHA-256 differs."""
+    names = [[x.get("source") for x in fps] for fps in (old, now)]
+    if names[0] != names[1]:
+        one = [n[0] if len(n) == 1 else n or None for n in names]
+        return f"prompts.source {_brief(one[0])} -> {_brief(one[1])}"
+    return "; ".join(
+        f"the content of {b.get('source')} changed" for a, b in zip(old, now) if a != b
+    )
+
+
 def encode(manifest: Manifest) -> bytes:
     """The file's bytes (UTF-8 JSON), for a stage that writes its outputs and manifest as one set
     (:func:`eagle3.io.atomic_write_files`)."""
@@ -234,7 +346,6 @@ def require(found: Manifest, needed: Mapping[str, Any], stage_to_rerun: str) -> 
         UserError: ``<file>: <field title> <recorded> -> <now>; re-run <stage_to_rerun>``.
     """
     for name in differing(found, needed)[:1]:
-        label = type(found).model_fields[name].title or name
         raise UserError(
-            f"{found.where}: {label} {getattr(found, name)!r} -> {needed[name]!r}; re-run {stage_to_rerun}"
+            f"{found.where}: {found.change(name, needed[name])}; re-run {stage_to_rerun}"
         )

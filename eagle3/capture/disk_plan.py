@@ -33,9 +33,8 @@ log = logging.getLogger(__name__)
 # Multiples of 64: every tensor's byte count (L x any element size, e.g. fp8's per-token fp32 scales) is then a
 # multiple of torch.save's 64-byte alignment, so the fit carries no padding (probing at L = 8, 16 was 2% low for fp8).
 PROBE_LENGTHS = (64, 128)
-FIXED_METADATA_BYTES = (
-    16 * 1024
-)  # data_config.json, reports, extract_state.json, lock, without the id lists
+# data_config.json, reports, extract_state.json, lock, without the id lists
+FIXED_METADATA_BYTES = 16 * 1024
 
 
 #: ``encode(input_ids, hidden_states, loss_mask) -> dict``: the object a shard file holds
@@ -54,9 +53,8 @@ class DiskPlan:
     path: str  # the folder whose filesystem was measured
     samples: int  # samples still to write
     tokens: int  # their tokens
-    hidden_bytes_per_token: (
-        int  # hidden-state bytes per token of the storage dtype (bf16: 4 x H x 2)
-    )
+    # hidden-state bytes per token of the storage dtype (bf16: 4 x H x 2)
+    hidden_bytes_per_token: int
     file_bytes_per_token: float  # measured slope of one shard file (hidden states + ids + mask)
     file_overhead_bytes: float  # measured torch.save bytes per file
     shard_bytes: int  # the shard files' sizes
@@ -69,9 +67,8 @@ class DiskPlan:
     free_bytes: int  # free on the filesystem, plus freed_by_overwrite
     fits: bool
     checked: bool  # False under --ignore-disk-check
-    freed_by_overwrite: int = (
-        0  # old shards --overwrite deletes once the plan fits (counted in free_bytes)
-    )
+    # old shards --overwrite deletes once the plan fits (counted in free_bytes)
+    freed_by_overwrite: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,9 +197,8 @@ def _footprint(
         allocated += _round_up(size, block)
     man = _manifest_bytes(pending, pending_idx)
     ids_json = len(json.dumps(skipped_ids or {}))
-    metadata = (
-        man + FIXED_METADATA_BYTES + 2 * ids_json
-    )  # the id lists go into data_config.json and the report
+    # the id lists go into data_config.json and the report
+    metadata = man + FIXED_METADATA_BYTES + 2 * ids_json
     new_dirs = {i // rows_per_dir for i in pending_idx}
     allocated += (
         _round_up(man, block)

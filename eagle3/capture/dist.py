@@ -24,18 +24,9 @@ DIST_TIMEOUT = timedelta(hours=6)  # ranks wait for the slowest one at the final
 JOB = "stage 02"  # names the work in Dist.on_rank0's error on the other ranks
 
 
-def flat_components(comp: dict) -> dict:
-    """A fingerprint's components one level flat (``extract.max_length``), for naming the ones that differ."""
-    return {
-        f"{k}.{k2}" if isinstance(v, dict) else k: v2
-        for k, v in comp.items()
-        for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])
-    }
-
-
 def ranks_agree(d: Dist, mine: Any, shards_dir: Path, prompts_path: Path) -> None:
     """Check that every rank captures under rank 0's settings and prompts (``mine``: this rank's
-    :func:`flat_components`, or a ``cannot read ...`` string).
+    :func:`eagle3.capture.resume.flat_components`, or a ``cannot read ...`` string).
 
     Raises:
         UserError: on every rank, naming the first differing rank and components.
@@ -85,6 +76,5 @@ def gather_ranks(
     if missing:
         raise RuntimeError(f"stage 02: samples {missing[:10]} were assigned to no rank (bug)")
     merge_rank_manifests(root)
-    return sum(g["written"] for g in ranks), max(
-        g["capture_s"] for g in ranks
-    )  # wall time of the parallel capture
+    # wall time of the parallel capture
+    return sum(g["written"] for g in ranks), max(g["capture_s"] for g in ranks)

@@ -76,9 +76,8 @@ class HFCapture:
         self.aux_layers = [int(i) for i in aux_layers]
         self.batch_tokens = int(batch_tokens)
         self.pad_id = int(pad_id)
-        tc = text_config(
-            model.config
-        )  # multimodal wrappers (Kimi-K2.5): the language model's config
+        # multimodal wrappers (Kimi-K2.5): the language model's config
+        tc = text_config(model.config)
         self.num_layers = int(tc.num_hidden_layers)
         self.hidden_size = int(tc.hidden_size)
         self.vocab_size = int(getattr(tc, "vocab_size", None) or model.config.vocab_size)
@@ -198,9 +197,8 @@ class HFCapture:
 
         def pre_hook(i):
             def fn(_mod, args, kwargs):
-                got[i] = (
-                    args[0] if args else kwargs["hidden_states"]
-                )  # [B, Lmax, H] residual entering layer i
+                # [B, Lmax, H] residual entering layer i
+                got[i] = args[0] if args else kwargs["hidden_states"]
 
             return fn
 
@@ -262,9 +260,8 @@ class HFCapture:
         if self._hooks_ok is None:
             self._hooks_ok = self._check_hooks()
         ids, att = self._pad(batch)  # [B, Lmax] right-padded; att None when nothing is padded
-        picks = (self._states_hooked if self._hooks_ok else self._states_all)(
-            ids, att
-        )  # 4 x [B, Lmax, H]
+        # 4 x [B, Lmax, H]
+        picks = (self._states_hooked if self._hooks_ok else self._states_all)(ids, att)
         B, Lmax = ids.shape
         lengths = [len(s) for s in batch]
         H = picks[0].shape[-1]
@@ -293,9 +290,8 @@ class HFCapture:
             pack
         ]  # what goes to the host: bf16 states, or fp8 values + scales, + the finite flag
         if storage is not None:
-            values, scales, finite = encode_batch(
-                pack, storage
-            )  # no sync: checked on the host later
+            # no sync: checked on the host later
+            values, scales, finite = encode_batch(pack, storage)
             dev_t = [values] + ([scales] if scales is not None else []) + [finite.reshape(1)]
         if dev.type != "cuda":
             return _Part(lengths, None, *self._unpack(dev_t, storage))
@@ -329,9 +325,8 @@ class HFCapture:
         """
         if self._last is None:
             self._last = self._detect_last_norm()
-            if (
-                is_rank0()
-            ):  # every torchrun rank probes its replica alike (02, online 04): said once
+            # every torchrun rank probes its replica alike (02, online 04): said once
+            if is_rank0():
                 log.info("verifier hidden_states[-1] is %s", self._last)
         return self._last
 

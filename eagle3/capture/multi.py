@@ -74,9 +74,8 @@ class MultiServerCapture:
         )
         self._ahead: collections.deque[tuple[list[list[int]], Future]] = collections.deque()
         self._upcoming: Optional[Iterator[list[list[int]]]] = None
-        self._generation = (
-            0  # bumped by cancel(): look-ahead captures of an older schedule stop retrying
-        )
+        # bumped by cancel(): look-ahead captures of an older schedule stop retrying
+        self._generation = 0
 
     def info(self) -> BackendInfo:
         """Every server's :meth:`SGLangCapture.info`; they must agree.

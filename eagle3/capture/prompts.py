@@ -16,13 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import (
-    BaseModel,
-    Field,
-    StrictBool,
-    StrictInt,
-    StrictStr,
-)
+from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from eagle3.capture.tokenize_pool import map_records
 from eagle3.chat.samples import conversation_samples
@@ -248,44 +242,6 @@ def _refuse_no_sample(
         f"line {prompts[0]['line']}, conversation '{prompts[0]['id']}'); "
         + "".join(h + "; " for h in hints)
         + "nothing written"
-    )
-
-
-def refuse_stale_prompts(
-    forced: Path, prompts_path: Path, rep: Path, report: dict, changed: list[str]
-) -> None:
-    """Refuse a prompts file that an unfinished ``01 --force`` was remaking (its marker ``forced`` exists) or that
-    01 made under other ``prompts:`` settings (``changed``: the differences 01's report ``rep`` / ``report`` names).
-
-    Raises:
-        UserError: one line naming ``prompts_report.json`` (or the marker), the changed settings and the fix.
-    """
-    if (
-        forced.is_file()
-    ):  # its report still matches, but 01 was told to remake it and did not finish
-        raise UserError(
-            f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {prompts_path} is the "
-            f"one from before it; re-run 01 (the same command without --force resumes it) first"
-        )
-    if not changed:
-        return
-    cli = report.get("cli_overrides", [])  # settings 01 took from its command line: needed again
-    cli = (
-        [k for k in cli if k in ("source", "format", "regenerate")] if isinstance(cli, list) else []
-    )
-    them = "them" if len(cli) > 1 else "it"
-    again = (
-        f" (it was run with {', '.join('--' + k for k in cli)} on its command line: give "
-        f"{them} again, or put {them} in the config)"
-        if cli
-        else ""
-    )
-    content = [c for c in changed if c.startswith("the content of ")]  # a source edited since 01
-    keys = [c for c in changed if c not in content]
-    what = "; ".join(content + ([f"changed {'; '.join(keys)}"] if keys else []))
-    raise UserError(
-        f"{rep}: {prompts_path.name} was made with other prompts settings than this config's "
-        f"({what}); re-run 01_prepare_prompts.py with this config first{again}"
     )
 
 

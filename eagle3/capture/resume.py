@@ -85,6 +85,22 @@ def settings_fingerprint(
     return hashlib.sha256(blob).hexdigest(), comp
 
 
+def flat_components(comp: dict) -> dict:
+    """A fingerprint's components one level flat (``extract.max_length``), for naming the ones that differ."""
+    return {
+        f"{k}.{k2}" if isinstance(v, dict) else k: v2
+        for k, v in comp.items()
+        for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])
+    }
+
+
+_STORAGE_KEYS = {
+    "storage_dtype": "storage_dtype",
+    "scale_scheme": "fp8_scale",
+    "scale_block_size": "fp8_block_size",
+}
+
+
 def changed_settings(old: dict, new: dict) -> list[str]:
     """What differs between two :func:`fingerprint` component dicts, one entry per config key:
     ``extract.max_length: 2048 -> 4096``, ``verifier.dtype: 'bfloat16' -> 'float32'``, ``the prompts
@@ -92,29 +108,12 @@ def changed_settings(old: dict, new: dict) -> list[str]:
     samples, component ``samples``). A key left out of one side (a rendering field at its
     default, see :func:`fingerprint`) shows as ``default``; an old state file without components gives []."""
 
-    def flat(comp: dict) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in comp.items():
-            if k in ("verifier", "extract") and isinstance(v, dict):
-                out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-            elif k == "storage" and isinstance(
-                v, dict
-            ):  # Storage.to_meta() names -> the extract config keys
-                names = {
-                    "storage_dtype": "storage_dtype",
-                    "scale_scheme": "fp8_scale",
-                    "scale_block_size": "fp8_block_size",
-                }
-                out.update(
-                    {
-                        f"extract.{names[kk]}": vv
-                        for kk, vv in v.items()
-                        if kk in names and vv is not None
-                    }
-                )
-            else:
-                out[k] = v
-        return out
+    def flat(comp: dict) -> dict[str, Any]:  # Storage.to_meta() names -> the extract config keys
+        return {
+            k if not k.startswith("storage.") else f"extract.{_STORAGE_KEYS[k[8:]]}": v
+            for k, v in flat_components(comp).items()
+            if not k.startswith("storage.") or (k[8:] in _STORAGE_KEYS and v is not None)
+        }
 
     if not old:
         return []
@@ -123,10 +122,7 @@ def changed_settings(old: dict, new: dict) -> list[str]:
         a.setdefault("extract.storage_dtype", "bfloat16")
     if "storage" in old and "storage" not in new:
         b.setdefault("extract.storage_dtype", "bfloat16")
-    for side in (
-        a,
-        b,
-    ):  # token-only samples: the key the user set (it read "samples: default -> 'tokens'")
+    for side in (a, b):  # token-only samples: named by the key the user set
         side["train.hidden_states"] = (
             "online" if side.pop("samples", None) == "tokens" else "offline"
         )

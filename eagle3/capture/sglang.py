@@ -20,13 +20,7 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 import torch
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    TypeAdapter,
-    ValidationInfo,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationInfo, field_validator
 
 from eagle3.capture.base import NUM_CAPTURED, BackendInfo
 from eagle3.engines.layers import engine_layer_ids

@@ -81,9 +81,8 @@ def _reply_text(
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in reply:
         open_, close = opts.think_tags
-        if head.rstrip().endswith(open_) and reply.lstrip().startswith(
-            close
-        ):  # "<think>" ends the prompt (Kimi)
+        # "<think>" ends the prompt (Kimi)
+        if head.rstrip().endswith(open_) and reply.lstrip().startswith(close):
             reply = reasoning + reply
         elif reply.startswith(open_ + close):  # an empty think block opens the reply
             reply = open_ + reasoning + reply[len(open_) :]

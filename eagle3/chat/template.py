@@ -72,9 +72,8 @@ def options_or_default(
 
 def _template_text(tokenizer, chat_template: Optional[str]) -> str:
     tpl = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    if isinstance(
-        tpl, dict
-    ):  # several named templates: the default one is used by apply_chat_template
+    # several named templates: the default one is used by apply_chat_template
+    if isinstance(tpl, dict):
         tpl = tpl.get("default") or next(iter(tpl.values()))
     if not tpl:
         raise TemplateUnusable(

@@ -376,9 +376,8 @@ def check_drafter_shape(section, drafter, drafter_dir: Path, own_export: bool) -
         UserError: the run's own export differs from the config, naming every differing field.
     """
     skip = {"max_position_embeddings", "mla"}
-    if (
-        drafter.args.is_mla
-    ):  # MLA fixes these two (eagle3/drafter/mla.py); its sizes compare one by one
+    # MLA fixes these two (eagle3/drafter/mla.py); its sizes compare one by one
+    if drafter.args.is_mla:
         skip |= {"num_key_value_heads", "head_dim"}
     want = {k: getattr(section, k) for k in type(section).model_fields if k not in skip}
     if drafter.args.is_mla and getattr(section, "mla", None) is not None:

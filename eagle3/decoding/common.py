@@ -124,10 +124,9 @@ def forward_params(model: torch.nn.Module) -> frozenset:
 
 
 def check_prompts(prompts) -> list[list[int]]:
-    """Prompts as lists of ints; UserError when there is none or one is empty."""
+    """Prompts (a batch of at least one: 05 decodes its prompt sets in non-empty batches) as lists of ints;
+    UserError when one is empty."""
     rows = [[int(t) for t in (p.tolist() if torch.is_tensor(p) else p)] for p in prompts]
-    if not rows:
-        raise UserError("prompts: the batch is empty")
     for i, p in enumerate(rows):
         if not p:
             raise UserError(f"prompts: prompt {i} is empty")

@@ -114,7 +114,7 @@ def greedy_generate_batch(
         :class:`BatchGreedy`.
 
     Raises:
-        UserError: an empty prompt or batch.
+        UserError: an empty prompt.
     """
     rows = check_prompts(prompts)
     device = device_of(verifier)
@@ -271,9 +271,8 @@ def _verify(
     k, jj = D.shape[1], c.jj  # [k+1]
     vin = torch.cat([c.last[:, None], D], dim=1)  # [B, k+1]
     vpos = c.n[:, None] + jj  # [B, k+1]
-    c.vmask = torch.cat(
-        [c.vmask, c.ones], dim=1
-    )  # [B, S+k+1] every new slot real during this forward
+    # [B, S+k+1] every new slot real during this forward
+    c.vmask = torch.cat([c.vmask, c.ones], dim=1)
     out = _forward(verifier, vin, c.vmask, vpos, c.cache, hidden=True)
     c.cache = _returned_cache(out)
     logits = out.logits  # [B, k+1, V]
@@ -380,7 +379,7 @@ def speculative_generate_batch(
         check_every: rounds between host checks. sampler: temperature > 0 (no ``reference``).
 
     Raises:
-        UserError: bad ``aux_layers``, an empty prompt or batch, a ``reference`` with a ``sampler``.
+        UserError: bad ``aux_layers``, an empty prompt, a ``reference`` with a ``sampler``.
     """
     if sampler is not None and reference is not None:
         raise UserError(

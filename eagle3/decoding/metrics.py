@@ -111,10 +111,7 @@ SPEEDUP_SLACK = 0.05
 
 
 def speedup_warning(
-    label: str,
-    speedup: Optional[float],
-    tau: Optional[float],
-    baseline: str = "greedy decoding",
+    label: str, speedup: Optional[float], tau: Optional[float], baseline: str = "greedy decoding"
 ) -> Optional[str]:
     """One warning line when a measured speedup exceeds what the acceptance length allows (None otherwise).
 

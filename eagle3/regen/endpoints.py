@@ -88,14 +88,15 @@ class EndpointPool:
     """Thread-safe choice of an endpoint for each request (module docstring).
 
     Args:
-        urls: server base URLs, at least one, no duplicates.
+        urls: server base URLs, at least one, each ``http(s)://host[:port]`` (the config's ``check_http_url``, 02's
+            ``--server`` type ``http_url``, 01's refusal of empty ``prompts.server.urls``), no duplicates.
         per_endpoint: requests in flight per endpoint (>= 1).
         dead_after: consecutive failed attempts that take an endpoint out (>= 1).
         revive_after_s, give_up_after_s: seconds out before a probe; seconds all out before giving up.
         headers: extra HTTP headers (e.g. ``Authorization``). what: config key named in errors.
 
     Raises:
-        UserError: no URL, a duplicate, or one that is not ``http(s)://host[:port]``.
+        UserError: a duplicate URL.
     """
 
     def __init__(
@@ -108,15 +109,7 @@ class EndpointPool:
         headers: Optional[dict] = None,
         what: str = "prompts.server.urls",
     ):
-        if not urls:
-            raise UserError(f"{what}: at least one endpoint URL is needed")
         clean = [u.rstrip("/") for u in urls]
-        for u in clean:
-            if (
-                not (u.startswith("http://") or u.startswith("https://"))
-                or len(u.split("://", 1)[1]) == 0
-            ):
-                raise UserError(f"{what}: '{u}' is not an http(s)://host[:port] URL")
         if len(set(clean)) != len(clean):
             raise UserError(f"{what}: duplicate URL in {clean}")
         self.endpoints = [Endpoint(u) for u in clean]

@@ -48,9 +48,8 @@ def block_mask_from_kv_blocks(
     bm = BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, BLOCK_SIZE=block, mask_mod=mask_mod, **kw
     )
-    return (
-        bm if "seq_lengths" in params else bm._adjust(q_len, kv_len)
-    )  # older torch: lengths of whole blocks
+    # older torch: lengths of whole blocks
+    return bm if "seq_lengths" in params else bm._adjust(q_len, kv_len)
 
 
 def raise_recompile_limit(limit: int = 64) -> None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from eagle3.chat.template import ChatOptions, generation_prompt, has_tool_calls, user_turns
 from eagle3.errors import UserError
 from eagle3.regen.endpoints import EndpointPool, RequestFailed, RetryPolicy
-from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming  # noqa: F401 - PARTIAL_NAME: part of this module's API
+from eagle3.regen.resume_log import ResumeLog, log_resuming
 from eagle3.regen.server_protocols import OpenAIChat, SGLangGenerate
 
 log = logging.getLogger(__name__)

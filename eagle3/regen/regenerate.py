@@ -116,9 +116,8 @@ def generate_greedy(
         eos_token_id=sorted(stop_ids),
         pad_token_id=pad_id,
     )
-    out = model.generate(
-        input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=gcfg
-    )  # [B, W+T]
+    # [B, W+T]
+    out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=gcfg)
     new = out[:, width:].tolist()
     results = []
     for row in new:
@@ -155,9 +154,8 @@ class _Run:
                 "%d conversations with tool calls kept as they are (not regenerated in-process)",
                 len(self.passthrough),
             )
-        self.finished = (
-            journal.load(conversations) if journal is not None else {}
-        )  # idx -> {id, messages[, tools]}
+        # idx -> {id, messages[, tools]}
+        self.finished = journal.load(conversations) if journal is not None else {}
         self.state = []
         for i, c in enumerate(conversations):
             system, users = (
@@ -243,9 +241,8 @@ class _Run:
             bar.update(len(users) - k)
             self.state[i] = (msgs, users[:k])
             if k == 0:
-                self.dropped.add(
-                    i
-                )  # not logged: a resumed run finds it over the cap again, without generating
+                # not logged: a resumed run finds it over the cap again, without generating
+                self.dropped.add(i)
             else:
                 self.record(i)
             return False

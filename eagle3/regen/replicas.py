@@ -186,9 +186,8 @@ def regenerate_replicas(
         UserError: a resume log of other settings or input.
     """
     d = init_replicas()
-    with process_group_scope(
-        owned=d.initialized_here
-    ):  # barrier on success only: peers may be stuck after an error
+    # barrier on success only: peers may be stuck after an error
+    with process_group_scope(owned=d.initialized_here):
         if force and d.rank == 0:
             for p in all_logs(folder):
                 p.unlink()
@@ -201,9 +200,8 @@ def regenerate_replicas(
         mine = share(convs, todo, d.rank, d.world)
         device = f"cuda:{d.local_rank}" if d.world > 1 and torch.cuda.is_available() else None
         model, tok = load_verifier(verifier_cfg, device=device)
-        stats["stop_token_ids"] = sorted(
-            stop_token_ids(tok)
-        )  # the verifier's stop set, recorded in the report
+        # the verifier's stop set, recorded in the report
+        stats["stop_token_ids"] = sorted(stop_token_ids(tok))
         st: dict = {}
         regenerate(
             model,

@@ -63,9 +63,8 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
             ("regeneration: failed conversations", reg["failed"]),
             ("regeneration: retried requests", reg["retries"]),
         ]
-    if "failed" in reg or reg.get(
-        "resumed"
-    ):  # a resumed run: its figures below cover the conversations it answered
+    # a resumed run: its figures below cover the conversations it answered
+    if "failed" in reg or reg.get("resumed"):
         rows += [
             (
                 "regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
@@ -103,10 +102,7 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
         ("regeneration: new tokens", reg["new_tokens"]),
         ("regeneration: truncated answers", reg["truncated"]),
         ("regeneration: seconds", f"{reg['seconds']:.1f}"),
-        (
-            "regeneration: tokens/s",
-            f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a",
-        ),
+        ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a"),
     ]
     return rows
 

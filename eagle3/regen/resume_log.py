@@ -15,35 +15,21 @@ from typing import Any, Optional
 from eagle3.chat.template import ANSWER_FIELDS, common_answer_fields
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
+from eagle3.manifest import PromptsManifest
 from eagle3.shards.manifest import read_append_log
-from eagle3.verifier.load import WEIGHTS_KEY, weights_differ
 
 log = logging.getLogger(__name__)
 
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
-# 01 settings (eagle3.stages.prompts_manifest.settings) recorded only where they change the output: ``seed`` with
-# ``sample_size`` or ``self_instruct``, ``hf_split`` with an ``hf:`` source, ``top_p`` with a sampling temperature, ``verifier_dtype`` with
-# the in-process regeneration. Reports and logs written before recorded them always.
-CONDITIONAL_KEYS = ("seed", "hf_split", "top_p", "verifier_dtype")
 
-
-def comparable_settings(old: dict, want: dict) -> dict:
-    """``old`` (recorded 01 settings) made comparable with ``want`` (this run's).
-
-    A :data:`CONDITIONAL_KEYS` key recorded on one side only follows the other (the setting that
-    decides whether it counts is compared itself); ``verifier_weights`` counts only when both record
-    it. Returns a new dict, equal to ``want`` exactly when the settings agree.
-    """
-    out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
-    out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
-    if not weights_differ(
-        out.get(WEIGHTS_KEY), want.get(WEIGHTS_KEY)
-    ):  # equal, or a side without one: want's
-        out.pop(WEIGHTS_KEY, None)
-        if WEIGHTS_KEY in want:
-            out[WEIGHTS_KEY] = want[WEIGHTS_KEY]
-    return out
+def settings_differ(old: Any, want: dict, where: Path) -> list[str]:
+    """The :class:`eagle3.manifest.PromptsManifest` fields in which recorded 01 settings ``old`` differ from this
+    run's ``want`` (:meth:`~eagle3.manifest.PromptsManifest.changed`); ``["header"]`` when ``old`` does not read."""
+    try:
+        return PromptsManifest.of_record(old, where).changed(PromptsManifest.make(**want))
+    except UserError:
+        return ["header"]
 
 
 def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
@@ -53,9 +39,8 @@ def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
     missing = [f for f in ANSWER_FIELDS if not (isinstance(fields, list) and f in fields)]
     if not missing:
         return None
-    have = (
-        ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"
-    )  # hand-edited: any items
+    # hand-edited: any items
+    have = ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"
     return (
         f"{path}: {what} an older 01 wrote without {' / '.join(missing)} on each answer (answer_fields: {have}); "
         f"they are kept as they are (02 counts an answer without stop_token as stopped on the template's "
@@ -86,7 +71,8 @@ class ResumeLog:
     finished conversation, fsynced before :meth:`append` returns. :meth:`load` drops a torn last line.
 
     Args:
-        path: the log file. settings: JSON fingerprint; a log of other settings is refused.
+        path: the log file. settings: 01's settings (:func:`eagle3.stages.prompts_manifest.settings`); a log
+            of other settings is refused.
     """
 
     def __init__(self, path: str | os.PathLike, settings: dict):
@@ -111,17 +97,11 @@ class ResumeLog:
         done: dict[int, dict] = {}
         for j, (n, row, _) in enumerate(rows):
             if j == 0:  # the header
-                old = row.get("settings")
-                old = comparable_settings(old, self.settings) if isinstance(old, dict) else old
-                if old != self.settings:
-                    diff = sorted(
-                        k
-                        for k in set(old or {}) | set(self.settings)
-                        if (old or {}).get(k) != self.settings.get(k)
-                    )
+                diff = settings_differ(row.get("settings"), self.settings, self.path)
+                if diff:
                     raise UserError(
                         f"{self.path}: a regeneration was started here with other settings "
-                        f"({', '.join(diff) or 'header'} differ); rerun with those settings to resume, "
+                        f"({', '.join(diff)} differ); rerun with those settings to resume, "
                         "or pass --force to discard it and start over"
                     )
                 warning = older_fields_warning(
@@ -176,9 +156,8 @@ class ResumeLog:
             for idx, conv in entries
         )
         with self._lock:
-            if (
-                self._f is None
-            ):  # the run is ending (Ctrl-C, error): these are redone by the next run
+            # the run is ending (Ctrl-C, error): these are redone by the next run
+            if self._f is None:
                 raise InterruptedError(f"{self.path}: closed")
             self._f.write(text)
             self._f.flush()

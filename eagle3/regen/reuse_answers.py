@@ -21,7 +21,8 @@ from eagle3.capture.prompts import PromptRecord
 from eagle3.errors import UserError, validated
 from eagle3.io import read_json
 from eagle3.io.read import iter_jsonl
-from eagle3.regen.resume_log import comparable_settings, older_fields_warning
+from eagle3.manifest import PromptsManifest
+from eagle3.regen.resume_log import older_fields_warning
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def _read_rows(path: Path) -> list[dict]:
 
 def check_settings(report: dict, want: dict, report_file: Path) -> None:
     """Refuse an earlier report (:class:`EarlierReport`) whose settings differ from this run's ``want`` on a
-    :data:`REGEN_KEYS` key (compared as :func:`eagle3.regen.resume_log.comparable_settings` gives them), naming the
+    :data:`REGEN_KEYS` key (compared as :meth:`eagle3.manifest.PromptsManifest.changed` does), naming the
     first; older ``answer_fields`` only warn (:func:`eagle3.regen.resume_log.older_fields_warning`)."""
     rec = validated(
         EarlierReport,
@@ -100,15 +101,18 @@ def check_settings(report: dict, want: dict, report_file: Path) -> None:
     )
     if warning:
         log.warning(warning)
-    old = comparable_settings(rec.settings, want)
-    k = next((k for k in REGEN_KEYS if old.get(k) != want.get(k)), None)
+    old = PromptsManifest.of_record(rec.settings, report_file)
+    now = PromptsManifest.make(**want)
+    diff = old.changed(now)
+    k = next((k for k in REGEN_KEYS if k in diff), None)
     if k is not None:
         weights = k == "verifier_weights"
+        was, has = getattr(old, k), getattr(now, k)
         how = (
             f"by other weights than this run's verifier.path holds (settings key verifier_weights: "
-            f"{old.get(k)} -> {want.get(k)}; the verifier's name is the same)"
+            f"{was} -> {has}; the verifier's name is the same)"
             if weights
-            else f"with {k} = {json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}"
+            else f"with {k} = {json.dumps(was)}, this run has {json.dumps(has)}"
         )
         raise UserError(
             f"{report_file}: prompts.reuse_answers: its answers were made {how}; regenerate without "

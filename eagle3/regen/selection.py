@@ -55,9 +55,8 @@ def select_conversations(
             f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}"
         )
     steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_before - len(convs)}
-    if (
-        pc.self_instruct is not None
-    ):  # on top of the sampled sources (sample_size counts the sources only)
+    # on top of the sampled sources (sample_size counts the sources only)
+    if pc.self_instruct is not None:
         convs, steps["self_instruct"], steps["self_instruct_deduped"] = add_self_instruct(
             pc, think_tags, self_instruct_path, convs
         )

@@ -27,9 +27,8 @@ class Answer:
     new_tokens: int
     truncated: bool  # hit max_new_tokens
     tool_calls: Optional[list] = None  # OpenAI tool calls the model made (openai protocol)
-    stop_token: Optional[int] = (
-        None  # the stop id the answer ended on, when the server says (None: cut or unknown)
-    )
+    # the stop id the answer ended on, when the server says (None: cut or unknown)
+    stop_token: Optional[int] = None
 
     def message(self) -> dict:
         m: dict = {"role": "assistant", "content": self.content}
@@ -41,9 +40,8 @@ class Answer:
             m["tokens"] = self.tokens
         if self.truncated:  # 02 leaves the template's end-of-turn token out of this answer's loss
             m.update(answer_ending(None))
-        elif (
-            self.stop_token is not None
-        ):  # as the local engines record it (02: no loss on another end-of-turn)
+        elif self.stop_token is not None:
+            # as the local engines record it (02: no loss on another end-of-turn)
             m.update(answer_ending(self.stop_token))
         return m
 
@@ -188,10 +186,9 @@ class OpenAIChat:
         if not isinstance(n, int):
             n = len(self.tok((reasoning or "") + content, add_special_tokens=False)["input_ids"])
         ans = Answer(content, None, reasoning, n, truncated=choice.get("finish_reason") == "length")
-        if (
-            choice.get("finish_reason") == "stop"
-        ):  # the stop id, where the server names it (SGLang ``matched_stop``,
-            # vLLM ``stop_reason``; a stop string or vLLM's None for the tokenizer's EOS: not recorded)
+        # the stop id, where the server names it (SGLang ``matched_stop``, vLLM ``stop_reason``; a stop string or
+        # vLLM's None for the tokenizer's EOS: not recorded)
+        if choice.get("finish_reason") == "stop":
             ans.stop_token = next(
                 (
                     _token_id(choice.get(k))

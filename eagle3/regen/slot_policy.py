@@ -114,12 +114,10 @@ class Waiting:
     priority: tuple
     key: object = field(compare=False)
     ids: list = field(compare=False)
-    parent: object = field(
-        compare=False, default=None
-    )  # key of the retained request this prompt continues
-    retain: bool = field(
-        compare=False, default=False
-    )  # keep the slot's K/V for a successor when it finishes
+    # key of the retained request this prompt continues
+    parent: object = field(compare=False, default=None)
+    # keep the slot's K/V for a successor when it finishes
+    retain: bool = field(compare=False, default=False)
 
 
 @dataclass

@@ -33,16 +33,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from eagle3.process_group import rank_tag
-from eagle3.regen.flex_compat import (
-    kv_blocks_params,
-    raise_recompile_limit,
-)
+from eagle3.regen.flex_compat import kv_blocks_params, raise_recompile_limit
 from eagle3.regen.kv_cache import SlotCache, check_kv_fits, host_available_bytes
-from eagle3.regen.packed_prefill import (
-    PackedBuffers,
-    compiled_packed_flex,
-    eager_packed_flex,
-)
+from eagle3.regen.packed_prefill import PackedBuffers, compiled_packed_flex, eager_packed_flex
 from eagle3.regen.slot_attention import AttentionSwap, flex_decode
 from eagle3.regen.slot_decode import SlotDecode
 from eagle3.regen.slot_policy import (
@@ -157,14 +150,12 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         self._init_prefill_layout(prefill_graphs, prefill_pack, flex_block)
         dims = self._init_attention(attention, flex_block, dtype, compile_step, compile_min_prefix)
         self._setup_compile(compile_step, planned_answers)
-        self._flex_inline = (
-            self.flex
-        )  # the flex call the compiled step traces (== _flex_alone uncompiled)
+        # the flex call the compiled step traces (== _flex_alone uncompiled)
+        self._flex_inline = self.flex
         self._init_cache(width_classes, dims, dtype)
         self.prefixes = prefix_sizes(slots, min_prefix)
-        self.kv_cols = torch.zeros(
-            (), dtype=torch.long, device=self.dev
-        )  # flex: KV columns read so far
+        # flex: KV columns read so far
+        self.kv_cols = torch.zeros((), dtype=torch.long, device=self.dev)
         n_layers, hkv, d, dv = dims
         self.kv_bytes_per_token = n_layers * hkv * (d + dv) * p.element_size()
         self._init_slots(slots, max_len, max_new_tokens, stop_ids)
@@ -175,12 +166,7 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         self._swap = AttentionSwap(model).__enter__()
 
     def _init_options(
-        self,
-        model,
-        slots: int,
-        max_len: int,
-        max_new_tokens: int,
-        check_every: int,
+        self, model, slots: int, max_len: int, max_new_tokens: int, check_every: int
     ) -> None:
         """Checked sizes (ValueError naming the argument) and the engine's fixed sizes."""
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
@@ -224,9 +210,8 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         elif width_classes is None:
             width_classes = [max_new + extra for extra in (128, 512, 1024)]
         self.caps = sorted({c for c in width_classes if max_new < c < max_len} | {max_len})
-        self.groups: Optional[list[tuple[int, int, int]]] = (
-            None  # (first, end slot, cap): set later
-        )
+        # (first, end slot, cap): set later
+        self.groups: Optional[list[tuple[int, int, int]]] = None
         cols = -(-max_len // block) * block if self.flex is not None else max_len
         # prefill_graphs: one scratch row after the slots, where a bucketed prefill's padded rows write (decode runs
         # over slot prefixes [:n], n <= slots, so it never reads it)
@@ -426,9 +411,8 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
                     key,
                     _,
                     _,
-                ) in (
-                    ready
-                ):  # their successors had their chance: unclaimed slots are freed at the next check
+                    # their successors had their chance: unclaimed slots are freed at the next check
+                ) in ready:
                     if key in self.retained:
                         self.hold[self.retained[key]].delivered = True
                 if not live and not self.waiting and not self.successors:

@@ -25,7 +25,7 @@ from eagle3.capture import resume
 from eagle3.capture.backends import checked_backend, shard_expect
 from eagle3.capture.base import CaptureBackend
 from eagle3.capture.disk_plan import NotEnoughDisk, plan_pending
-from eagle3.capture.dist import DIST_TIMEOUT, JOB, flat_components, gather_ranks, ranks_agree
+from eagle3.capture.dist import DIST_TIMEOUT, JOB, gather_ranks, ranks_agree
 from eagle3.capture.folder import (
     MANIFEST,
     REPORT_JSON,
@@ -42,7 +42,6 @@ from eagle3.capture.prompts import (
     Sample,
     check_token_ids,
     read_prompts,
-    refuse_stale_prompts,
     self_instruct_dropped,
     tokenize,
 )
@@ -59,7 +58,7 @@ from eagle3.shards.data_config import write_data_config
 from eagle3.shards.format import DATA_CONFIG, TOKEN_BYTES_PER_TOKEN
 from eagle3.shards.fp8 import storage_from_config
 from eagle3.shards.write import NonFiniteStates
-from eagle3.stages.prompts_manifest import forced_path, read_report, report_changes
+from eagle3.stages.prompts_manifest import read_report, require_current
 from eagle3.verifier.load import weights_record
 
 log = logging.getLogger(__name__)
@@ -92,18 +91,8 @@ def tokenize_prompts(
     opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     return tokenize(
         tokenizer, prompts, prompts_path, max_length=ex.max_length, too_long=ex.too_long,
-        opts=opts, workers=ex.tokenize_workers,
+        opts=opts, workers=ex.tokenize_workers
     )  # fmt: skip
-
-
-def check_prompts_current(cfg: RunConfig) -> None:
-    """Refuse a ``prompts.jsonl`` that 01 made under other ``prompts:`` settings than ``cfg``'s, or one that an
-    unfinished ``01 --force`` was remaking (:func:`eagle3.capture.prompts.refuse_stale_prompts`). The report is
-    read once."""
-    forced = forced_path(cfg)
-    rep, report = (None, None) if forced.is_file() else read_report(cfg)
-    changed = [] if forced.is_file() else report_changes(cfg, report)
-    refuse_stale_prompts(forced, cfg.prompts_path, rep, report, changed)
 
 
 def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
@@ -129,9 +118,8 @@ def main(cfg: RunConfig, *, overwrite: bool, limit: Optional[int], ignore_disk_c
     """02's command: :func:`run` (SIGTERM / Ctrl-C: one line, exit 143 / 130), then its summary lines."""
     with resume_on_interrupt(lambda: interrupt_hint(cfg)):
         s = run(cfg, overwrite=overwrite, limit=limit, ignore_disk_check=ignore_disk_check)
-    if "samples" in s and not s.get(
-        "up_to_date"
-    ):  # torchrun rank > 0: rank 0 reports; up to date: logged
+    # torchrun rank > 0: rank 0 reports; up to date: logged
+    if "samples" in s and not s.get("up_to_date"):
         print("\n".join(summary_lines(s)))
     return 0
 
@@ -257,7 +245,7 @@ def _prepare(cfg, root, overwrite, limit, backend, tokenizer, d: Dist, ignore_di
             root, todo, hidden_size=info["hidden_size"], storage=storage_from_config(ex),
             tokens_only=token_only(cfg), rows_per_dir=ex.rows_per_dir, margin=ex.disk_margin,
             margin_bytes=ex.disk_margin_bytes, skipped_ids=skipped_ids, ignore=ignore_disk,
-            freed_by_overwrite=freed,
+            freed_by_overwrite=freed
         )  # fmt: skip
 
     if overwrite:  # plan first (nothing will be resumed), delete only when it fits
@@ -280,7 +268,7 @@ def _up_to_date(cfg: RunConfig, root: Path, limit: Optional[int], d: Dist) -> Op
     finished = d.on_rank0(
         lambda: resume.finished_report(
             root, cfg.prompts_path, limit, lambda sha: fingerprint(cfg, sha)[0],
-            lambda: weights_record(cfg.verifier), cfg.extract.rows_per_dir,
+            lambda: weights_record(cfg.verifier), cfg.extract.rows_per_dir
         )
     )  # fmt: skip
     if finished is None:
@@ -300,9 +288,9 @@ def _extract(cfg, root, overwrite, limit, backend, tokenizer, d: Dist, ignore_di
     """The stage in named steps: check the prompts, nothing to do, prepare (plan + tokenize + disk check),
     capture + write, gather ranks, finalise."""
     t_start = time.perf_counter()
-    d.on_rank0(lambda: check_prompts_current(cfg))
+    d.on_rank0(lambda: require_current(cfg))
     try:
-        mine: Any = flat_components(fingerprint(cfg, file_sha256(cfg.prompts_path))[1])
+        mine: Any = resume.flat_components(fingerprint(cfg, file_sha256(cfg.prompts_path))[1])
     except (UserError, OSError) as e:
         mine = f"cannot read {cfg.prompts_path}: {e}"
     ranks_agree(d, mine, cfg.shards_dir, cfg.prompts_path)
@@ -351,7 +339,7 @@ def _capture(cfg, root, p: _Prepared, mine, d: Dist, my_tok: int, shown_done: in
             root / MANIFEST if d.world == 1 else root / rank_manifest_name(d.rank),
             rows_per_dir=ex.rows_per_dir, batch_tokens=ex.batch_tokens,
             write_threads=default_write_threads() if ex.write_threads is None else ex.write_threads,
-            storage=storage_from_config(ex), hidden_size=p.info["hidden_size"], bar=bar,
+            storage=storage_from_config(ex), hidden_size=p.info["hidden_size"], bar=bar
         )  # fmt: skip
     except NonFiniteStates as e:
         dtype = cfg.verifier.dtype if ex.backend == "hf" else None
@@ -364,7 +352,7 @@ def _finalise(cfg, root, p: _Prepared, n_resumed, written, t_cap, captured_tok, 
         cfg.verifier, cfg.extract, tokens_only=token_only(cfg), info=p.info, aux=p.aux,
         tokenizer=p.tokenizer, fp=p.fp, prompts_sha=p.prompts_sha, prompts_path=cfg.prompts_path,
         rows=[p.done[k] for k in sorted(p.done)], counts=p.counts, skipped_ids=p.skipped_ids,
-        weights=weights_record(cfg.verifier),
+        weights=weights_record(cfg.verifier)
     )  # fmt: skip
     write_data_config(root, meta)
     bpt = TOKEN_BYTES_PER_TOKEN if token_only(cfg) else meta["bytes_per_token"]

@@ -75,7 +75,8 @@ def _regenerate(
 ) -> Optional[list[dict]]:
     """Regenerate the answers in-process (``local``, over the torchrun replicas if any: None on ranks > 0)
     or through the configured endpoints."""
-    pc, opts, max_context = cfg.prompts, _chat_options(cfg), max_context_tokens(cfg)
+    pc, max_context = cfg.prompts, max_context_tokens(cfg)
+    opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     if pc.regenerate_via == "local":
         if pc.temperature != 0 or pc.top_p != 1:
             raise UserError(
@@ -111,10 +112,6 @@ def _regenerate(
         stats=stats,
         max_context=max_context,
     )
-
-
-def _chat_options(cfg: RunConfig) -> ChatOptions:
-    return ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
 
 
 def _regenerate_reusing(
@@ -165,7 +162,7 @@ def run(
     Raises:
         UserError: bad input, nothing left to write, or a verifier that cannot be loaded; nothing is written then.
     """
-    cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
+    cfg = apply_overrides(cfg, source, fmt, regenerate)
     if not _replicated(cfg) and not is_rank0():
         return 0  # under torchrun only the in-process regeneration has work for every rank: rank 0 does the rest
     # under torchrun with the replicas: their gloo group, made here so the ranks can agree on the up-to-date check
@@ -244,22 +241,19 @@ def _run(
         cfg.prompts, cfg.verifier.think_tags, cfg.self_instruct_path, limit
     )
     with writer_lock(cfg):  # one 01 per output folder (its resume log, prompts.jsonl)
-        if (
-            force and is_rank0()
-        ):  # before anything changes: a run stopped from here on is redone by the next
+        # before anything changes: a run stopped from here on is redone by the next
+        if force and is_rank0():
             mark_forced(cfg)
         convs, regen_stats, reused_info = _answers(cfg, convs, want, force)
-        if (
-            convs is None
-        ):  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+        # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+        if convs is None:
             return 0
-        answer_fields = regen_stats.pop(
-            "answer_fields", list(ANSWER_FIELDS)
-        )  # what every answer records
+        # what every answer records
+        answer_fields = regen_stats.pop("answer_fields", list(ANSWER_FIELDS))
         report = build_report(cfg, want, counts, steps, convs, regen_stats, answer_fields)
         if reused_info is not None:
             report["reused_answers"] = reused_info
-        # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
+        # settings the command line set (not the config): 02 does not compare them with its config (require_current)
         cli = (("source", source), ("format", fmt), ("regenerate", regenerate))
         report["cli_overrides"] = [k for k, v in cli if v is not None]
         report[SOURCE_STATS] = source_stats
@@ -345,13 +339,12 @@ def apply_overrides(
     source: Optional[str],
     fmt: Optional[str],
     regenerate: Optional[bool],
-    limit: Optional[int],
 ) -> RunConfig:
     """``cfg`` with the CLI's ``--source``/``--format``/``--regenerate`` applied and validated.
 
     Raises:
         UserError: an override the ``prompts`` schema refuses (named ``--<option> (prompts.<field>)``, with the
-            value), or ``limit < 1``.
+            value). ``--limit`` is checked by 01's argument type (``positive_int``).
     """
     upd = {
         k: v
@@ -371,8 +364,6 @@ def apply_overrides(
                 f"{name}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
             ) from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit: must be >= 1, got {limit}")
     return cfg
 
 

@@ -1,6 +1,6 @@
 """Stage 01's manifest from the run config: ``prompts_report.json``'s settings (every input that decides
 ``prompts.jsonl``), its path and the forced-run marker's, the report's content, and 02's comparison of its config
-with them (:func:`report_changes`). The comparisons of plain settings mappings are :mod:`eagle3.regen.manifest`'s.
+with them (:func:`require_current`, through :class:`eagle3.manifest.PromptsManifest`).
 
 Equal settings = nothing to do: :func:`settings` holds the config fields that change the output, each source
 file's size + SHA-256, the verifier and, regenerating in-process, its weights' fingerprint; with
@@ -17,12 +17,13 @@ from typing import Optional, Sequence
 
 from eagle3.chat.template import ANSWER_FIELDS
 from eagle3.config import RunConfig
+from eagle3.errors import UserError
 from eagle3.io import atomic_write_json
+from eagle3.manifest import PromptsManifest, require
 from eagle3.regen.manifest import (
     FORCED_NAME,
     SOURCE_STATS,
     left_out_by_regeneration,
-    settings_changes,
     source_fingerprint,
 )
 from eagle3.regen.report import REPORT_NAME
@@ -54,7 +55,7 @@ def settings(
     ``known`` / ``seen``: a source file's recorded size, mtime and hash, reused / recorded
     (:func:`source_fingerprint`); the settings are the same either way.
 
-    Only settings that change the output count (``eagle3.regen.resume_log.CONDITIONAL_KEYS``): ``seed`` with
+    Only settings that change the output count (``eagle3.manifest.PromptsManifest.CONDITIONAL``): ``seed`` with
     ``prompts.sample_size`` or ``prompts.self_instruct`` (it seeds both samplings; nothing else is random), ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
     ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
     weights (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`, when its folder holds weight files):
@@ -75,9 +76,8 @@ def settings(
             else {"sources": [source_fingerprint(x, known, seen) for x in pc.source]}
         ),
     }
-    if (
-        pc.sample_size is not None or pc.self_instruct is not None
-    ):  # the sample's and the self-instruct sampling's
+    # the sample's and the self-instruct sampling's
+    if pc.sample_size is not None or pc.self_instruct is not None:
         s["seed"] = pc.seed  # seed; without either it picks nothing
     if any(x.startswith("hf:") for x in sources):  # the split read from a Hugging Face dataset
         s["hf_split"] = pc.hf_split
@@ -85,9 +85,8 @@ def settings(
         s.update(_regenerate_settings(cfg))
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
-    if (
-        pc.self_instruct is not None
-    ):  # its settings, and its file (remade when its own report's settings change)
+    # its settings, and its file (remade when its own report's settings change)
+    if pc.self_instruct is not None:
         # batch_size is left out: the file's sha256 covers it, and reports made before it was a key stay up to date
         s["self_instruct"] = {
             **pc.self_instruct.model_dump(exclude={"batch_size"}),
@@ -106,9 +105,8 @@ def _regenerate_settings(cfg: RunConfig) -> dict:
         verifier=cfg.verifier.display_name(),
         chat_template=cfg.verifier.chat_template,
     )
-    if (
-        pc.regenerate_via == "local"
-    ):  # the weights and dtype that answer (endpoints answer with their own model)
+    # the weights and dtype that answer (endpoints answer with their own model)
+    if pc.regenerate_via == "local":
         s.update(verifier_dtype=cfg.verifier.dtype, **weights_record(cfg.verifier))
     # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
     # so reports written before these settings existed stay up to date)
@@ -127,22 +125,6 @@ def _regenerate_settings(cfg: RunConfig) -> dict:
     return s
 
 
-def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
-    """The ``prompts:`` settings of ``cfg`` that differ from the ones ``prompts.jsonl`` was made under.
-
-    Compares :func:`settings` of ``cfg`` with ``prompts_report.json``'s (``--limit`` taken from the report).
-    Not compared: settings of other sections (``eagle3.regen.manifest._NOT_PROMPTS_SECTION``), settings 01's command line set
-    (the report's ``cli_overrides``; a report written before they were recorded: source, format and
-    regenerate) and a source file's size/SHA-256 when the file is no longer there.
-
-    Returns:
-        ``(report path, ["key: old -> new", ...])``; the list is empty when nothing differs, or when there
-        is no report or no ``prompts.jsonl`` (a prompts file written by hand) or the report has no settings.
-    """
-    rep, report = read_report(cfg)
-    return rep, report_changes(cfg, report)
-
-
 def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
     """``(prompts_report.json's path, its content)``; the content is None when there is no ``prompts.jsonl`` (a prompts
     file written by hand), no report, or one that cannot be read or is not a JSON object (nothing to compare)."""
@@ -159,16 +141,84 @@ def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
     return rep, report if isinstance(report, dict) else None
 
 
-def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
-    """:func:`prompts_changes` against an already read ``prompts_report.json`` content (:func:`read_report`):
-    ``["key: old -> new", ...]``, empty when nothing differs or ``report`` is None / has no settings. A source file
-    is hashed only when its size or mtime differs from the report's :data:`SOURCE_STATS` (else its hash is reused)."""
-    old = report.get("settings") if isinstance(report, dict) else None
-    if not isinstance(old, dict):
-        return []
-    # only a change to detect: a recorded hash is reused while the source's size and mtime are unchanged
-    want = settings(cfg, old.get("limit"), known=report.get(SOURCE_STATS))
-    return settings_changes(report, old, want)
+# 01 settings that come from other sections than ``prompts:`` (a verifier used only to regenerate may differ from the
+# one 02 captures with) or from the command line only (``--limit``): not compared by 02. ``max_context_tokens`` is
+# compared: it decides which conversations 01 keeps (``prompts.max_context_tokens``, else ``extract.max_length``).
+_NOT_PROMPTS_SECTION = {
+    "limit",
+    "verifier",
+    "verifier_dtype",
+    "verifier_weights",
+    "chat_template",
+    "chat_template_kwargs",
+    "reply_start",
+    "think_tags",
+}
+_REGEN_KEYS = {"max_new_tokens", "regenerate_via", "temperature", "top_p", "model", "extra_body"}
+
+
+def require_current(cfg: RunConfig) -> None:
+    """Refuse a ``prompts.jsonl`` that an unfinished ``01 --force`` was remaking (:func:`forced_path`) or that 01 made
+    under other ``prompts:`` settings than ``cfg``'s (:func:`eagle3.manifest.require` on its report's
+    :class:`eagle3.manifest.PromptsManifest`; the report read once). Not compared: :data:`_NOT_PROMPTS_SECTION`,
+    the settings 01's command line set (the report's ``cli_overrides``; a report without them: source, format and
+    regenerate), a source file's size / SHA-256 when the file is no longer there. A source file is hashed only when
+    its size or mtime differs from the report's :data:`SOURCE_STATS`. Nothing to compare without a report.
+
+    Raises:
+        UserError: ``<prompts_report.json>: prompts.dedupe False -> True; re-run 01_prepare_prompts.py with this
+            config first`` (+ the command-line flags to give again), or the marker's line.
+    """
+    forced = forced_path(cfg)
+    # its report still matches, but 01 was told to remake it and did not finish
+    if forced.is_file():
+        raise UserError(
+            f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {cfg.prompts_path} is the "
+            f"one from before it; re-run 01 (the same command without --force resumes it) first"
+        )
+    rep, report = read_report(cfg)
+    if report is None or not isinstance(report.get("settings"), dict):
+        return
+    found = PromptsManifest.of_record(report["settings"], rep)
+    now = PromptsManifest.make(**settings(cfg, found.limit, known=report.get(SOURCE_STATS)))
+    found = _present_files(found, now)
+    cli = report.get("cli_overrides", ["source", "format", "regenerate"])
+    skip = _NOT_PROMPTS_SECTION | set(cli if isinstance(cli, list) else [])
+    if "regenerate" in skip and found.regenerate != now.regenerate:
+        skip |= _REGEN_KEYS
+    needed = {k: getattr(now, k) for k in found.changed(now) if k not in skip}
+    given = report.get("cli_overrides", [])  # settings 01 took from its command line: needed again
+    given = (
+        [k for k in given if k in ("source", "format", "regenerate")]
+        if isinstance(given, list)
+        else []
+    )
+    them = "them" if len(given) > 1 else "it"
+    again = (
+        f" (it was run with {', '.join('--' + k for k in given)} on its command line: give {them} again, or "
+        f"put {them} in the config)"
+        if given
+        else ""
+    )
+    require(found, needed, f"01_prepare_prompts.py with this config first{again}")
+
+
+def _present_files(found: PromptsManifest, now: PromptsManifest) -> PromptsManifest:
+    """``found`` with the size / SHA-256 left out of every source file (and ``prompts.self_instruct``'s file) that
+    ``now`` no longer fingerprints (the file is gone, or never was one): only its name is compared."""
+
+    def trim(old: dict, new: dict) -> dict:
+        return {k: v for k, v in old.items() if k in new or k not in ("sha256", "bytes")}
+
+    files = [trim(o, w) for o, w in zip(found.source, now.source)] + found.source[len(now.source) :]
+    si_old, si_now = found.self_instruct, now.self_instruct
+    if (
+        isinstance(si_old, dict)
+        and isinstance(si_now, dict)
+        and "sha256" not in si_now.get("file", {})
+    ):
+        si_old = {**si_old, "file": si_now.get("file")}
+    return found.model_copy(update={"source": files, "self_instruct": si_old})
 
 
 def build_report(
@@ -209,9 +259,8 @@ def build_report(
             ),
         },
     }
-    if (
-        pc.regenerate
-    ):  # what every answer records (an up-to-date check names a file written without them)
+    # what every answer records (an up-to-date check names a file written without them)
+    if pc.regenerate:
         report["answer_fields"] = list(answer_fields)
     if regen_stats:
         secs = regen_stats["seconds"]

@@ -55,9 +55,8 @@ def run(
         UserError: a bad argument (one line naming its flag), an unwritable output folder, an ``--out`` that is a
             folder or named like 01's output, more than one torchrun rank, or :func:`make`'s errors.
     """
-    folder = str(out).endswith(
-        "/"
-    )  # a folder named with its slash (Path drops it), existing or not
+    # a folder named with its slash (Path drops it), existing or not
+    folder = str(out).endswith("/")
     out = Path(out)
     si.check_args(num, temperature, top_p, max_query_tokens, min_chars, out, folder)
     refuse_torchrun("--self-instruct", "it takes seconds to minutes on one GPU")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3.capture import CaptureBackend
+from eagle3.capture.base import CaptureBackend
 from eagle3.capture.hf import HFCapture, plan_batches
 
 V = 300

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -604,8 +605,7 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     with pytest.raises(UserError) as e:
         _run(cfg2, tiny_backend, limit=2)
     assert str(e.value) == (
-        f"{cfg.root / 'prompts_report.json'}: prompts.jsonl was made with other prompts settings "
-        "than this config's (changed sample_size: None -> 3); re-run "
+        f"{cfg.root / 'prompts_report.json'}: prompts.sample_size None -> 3; re-run "
         "01_prepare_prompts.py with this config first"
     )
     # the limit of 01's --limit and a verifier-section setting are not prompts: settings
@@ -613,18 +613,19 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     assert _run(cfg, tiny_backend, limit=2)["written"] == 2
     # a regenerating 01 keeps only conversations under its context cap: the cap is compared (prompts.max_context_tokens,
     # else extract.max_length: 64 here)
-    from eagle3.stages.prompts_manifest import prompts_changes, report_path, settings
+    from eagle3.stages.prompts_manifest import report_path, require_current, settings
 
     regen = load_config(path, ["prompts.regenerate=true"])
     report_path(cfg).write_text(
         json.dumps({"settings": settings(regen, None), "cli_overrides": []})
     )
-    assert prompts_changes(
-        load_config(path, ["prompts.regenerate=true", "prompts.max_context_tokens=200"])
-    )[1] == ["max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 200"]
-    assert prompts_changes(
-        load_config(path, ["prompts.regenerate=true", "extract.max_length=128"])
-    )[1] == ["max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 128"]
+    cap = "max_context_tokens (prompts.max_context_tokens, else extract.max_length)"
+    with pytest.raises(
+        UserError, match=rf": {re.escape(cap)} 64 -> 200; re-run 01_prepare_prompts"
+    ):
+        require_current(
+            load_config(path, ["prompts.regenerate=true", "prompts.max_context_tokens=200"])
+        )
     # 02's refusal after an edit of extract.max_length names that key, not only the settings' max_context_tokens
     with pytest.raises(UserError) as e:
         _run(
@@ -632,10 +633,7 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
             tiny_backend,
             limit=2,
         )
-    assert (
-        "(changed max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 128); re-run "
-        "01_prepare_prompts.py" in str(e.value)
-    )
+    assert f": {cap} 64 -> 128; re-run 01_prepare_prompts.py" in str(e.value)
     # settings 01 took from its command line are named, so a re-run gives them again
     report_path(cfg).write_text(
         json.dumps(
@@ -648,7 +646,7 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     with pytest.raises(UserError) as e:
         _run(cfg, tiny_backend, limit=2)
     assert str(e.value).endswith(
-        "(changed dedupe: False -> True); re-run 01_prepare_prompts.py with this config first (it was "
+        ": prompts.dedupe False -> True; re-run 01_prepare_prompts.py with this config first (it was "
         "run with --source, --regenerate on its command line: give them again, or put them "
         "in the config)"
     )
@@ -657,23 +655,22 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
 def test_prompts_settings_not_compared_without_report_or_for_cli_overrides(
     tmp_path, tiny_llama_dir, tiny_backend
 ):
-    from eagle3.stages.prompts_manifest import prompts_changes, report_path, settings
+    from eagle3.stages.prompts_manifest import report_path, require_current, settings
 
     path = _config(tmp_path, tiny_llama_dir)
     cfg = load_config(path, ["prompts.source=/tmp/ok.jsonl"])
-    assert prompts_changes(cfg) == (
-        report_path(cfg),
-        [],
-    )  # prompts.jsonl written by hand: no report
+    require_current(cfg)  # prompts.jsonl written by hand: no report
     old = {**settings(load_config(path), None), "format": "sharegpt"}
     report_path(cfg).write_text(json.dumps({"settings": old, "cli_overrides": ["source"]}))
-    assert prompts_changes(cfg)[1] == [
-        "format: 'sharegpt' -> 'auto'"
-    ]  # 01 --source X: the source is not compared
+    with pytest.raises(UserError) as e:  # 01 --source X: the source is not compared
+        require_current(cfg)
+    assert str(e.value).startswith(
+        f"{report_path(cfg)}: prompts.format 'sharegpt' -> 'auto'; re-run"
+    )
     report_path(cfg).write_text(
         json.dumps({"settings": old})
     )  # written before cli_overrides were recorded
-    assert prompts_changes(cfg)[1] == []
+    require_current(cfg)
 
 
 class _ReportsDeepseek:

@@ -1,5 +1,5 @@
 """Stage 02's check that ``prompts.jsonl`` was made under the config's ``prompts:`` settings
-(``eagle3.stages.extract.check_prompts_current``): the report is read once, and the source file named by
+(``eagle3.stages.prompts_manifest.require_current``): the report is read once, and the source file named by
 ``prompts.source`` is hashed only when its size or mtime changed since 01 recorded its hash."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import eagle3.stages.prepare_prompts as pp
 import eagle3.stages.prompts_manifest as stage_manifest
 from eagle3.config import load_config
 from eagle3.errors import UserError
-from eagle3.stages.extract import check_prompts_current
 
 
 def _cfg(tmp_path: Path, *sets: str):
@@ -73,11 +72,10 @@ def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(io, "open", counting_open)
     with pytest.raises(UserError) as e:
-        check_prompts_current(cfg)
+        stage_manifest.require_current(cfg)
     assert str(e.value) == (
-        f"{rep}: prompts.jsonl was made with other prompts settings than this config's (changed "
-        "dedupe: False -> True); re-run 01_prepare_prompts.py with this config first (it was run with "
-        "--format on its command line: give it again, or put it in the config)"
+        f"{rep}: prompts.dedupe False -> True; re-run 01_prepare_prompts.py with this config first (it was "
+        "run with --format on its command line: give it again, or put it in the config)"
     )
     assert len(opened) == 1  # the comparison and the hint read the same content (it was read twice)
 
@@ -99,7 +97,7 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
     hashed = []
     real = manifest.file_sha256
     monkeypatch.setattr(manifest, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
-    check_prompts_current(cfg)
+    stage_manifest.require_current(cfg)
     assert hashed == []  # unchanged: the recorded hash is used
     old_sha = rep["settings"]["sha256"]
 
@@ -107,14 +105,14 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
     src.write_text(text.replace("hello", "howdy"))  # same size, other bytes
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     with pytest.raises(UserError) as e:
-        check_prompts_current(cfg)
+        stage_manifest.require_current(cfg)
     assert hashed == [src]  # hashed again: the content change is seen
-    assert real(src) != old_sha and f"(the content of {src} changed); re-run" in str(e.value)
+    assert real(src) != old_sha and f": the content of {src} changed; re-run" in str(e.value)
 
     hashed.clear()
     src.write_text(text)  # the original bytes back, a new mtime: hashed again, nothing to refuse
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
-    check_prompts_current(cfg)
+    stage_manifest.require_current(cfg)
     assert hashed == [src]
 
 
@@ -143,10 +141,9 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
     a.write_text(a.read_text() * 2)
     want = stage_manifest.settings(cfg, None)
     with pytest.raises(UserError) as e:
-        check_prompts_current(cfg)
+        stage_manifest.require_current(cfg)
     assert str(e.value) == (
-        f"{rep}: prompts.jsonl was made with other prompts settings than this config's (the content "
-        f"of {a} changed); re-run 01_prepare_prompts.py with this config first"
+        f"{rep}: the content of {a} changed; re-run 01_prepare_prompts.py with this config first"
     )
     report = json.loads(rep.read_text())
     assert (
@@ -156,18 +153,21 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
     one, _ = _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=4")
     assert manifest.redo_reason(
         cfg.prompts_path, rep, report, stage_manifest.settings(one, None)
-    ) == (f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; sample_size: None -> 4")
-    with pytest.raises(
-        UserError, match=rf"\(changed source: \[.*\] -> '{a}'; sample_size: None -> 4\)"
-    ):
-        check_prompts_current(one)
+    ) == (
+        f"settings changed: prompts.source {[str(a), str(b)]!r} -> {str(a)!r}; "
+        "prompts.sample_size None -> 4"
+    )
+    with pytest.raises(UserError, match=rf": prompts\.source \[.*\] -> '{a}'; re-run 01"):
+        stage_manifest.require_current(one)
     # one source file: its content, then another seed beside it
     rep.write_text(
         json.dumps({"settings": stage_manifest.settings(one, None), "cli_overrides": []})
     )
     a.write_text(a.read_text() * 2)
+    five = _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=5")[0]
     with pytest.raises(UserError) as e:
-        check_prompts_current(
-            _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=5")[0]
-        )
-    assert f"(the content of {a} changed; changed seed: 4 -> 5); re-run" in str(e.value)
+        stage_manifest.require_current(five)
+    assert f": the content of {a} changed; re-run" in str(e.value)  # the first difference
+    assert manifest.redo_reason(
+        five.prompts_path, rep, json.loads(rep.read_text()), stage_manifest.settings(five, None)
+    ) == (f"settings changed: the content of {a} changed; prompts.seed 4 -> 5")

@@ -631,7 +631,7 @@ def test_a_prompts_flag_clash_names_the_list_item(tmp_path, monkeypatch):
 
     cfg = load_config(_write(tmp_path, BASE))
     with pytest.raises(UserError) as e:
-        apply_overrides(cfg, ["a.jsonl", " "], None, None, None)
+        apply_overrides(cfg, ["a.jsonl", " "], None, None)
     assert str(e.value) == (
         "--source (prompts.source[1]): empty: name a prompts file, 'humaneval' or 'hf:<dataset>' "
         "(got ' ')"

@@ -133,3 +133,32 @@ def test_drafter_manifest_of_an_export_folder(tmp_path):
     with pytest.raises(UserError) as e:
         DrafterManifest.of_folder(tmp_path)
     assert str(e.value) == f"{meta}: not a JSON object; re-run 04_train.py --export-only"
+
+
+def test_prompts_manifest_compares_conditional_keys_only_when_both_record_them(tmp_path):
+    """01's settings: ``seed`` / ``verifier_weights`` (and the other CONDITIONAL keys) recorded on one side only are not
+    compared; one ``source`` and a ``sources`` list read as one list; require names a changed file, not its hash."""
+    base = dict(format="auto", sample_size=None, dedupe=True, system_prompt=None, regenerate=False)
+    base |= dict(limit=None, source="a.jsonl", bytes=3, sha256="aa" * 32)
+    rep = tmp_path / "prompts_report.json"
+    old = manifest.PromptsManifest.of_record({**base, "seed": 0, "verifier_weights": "w1"}, rep)
+    now = manifest.PromptsManifest.make(**base)
+    assert old.source == [{"source": "a.jsonl", "bytes": 3, "sha256": "aa" * 32}]
+    assert old.changed(now) == []  # seed and weights recorded on one side only
+    assert old.changed(manifest.PromptsManifest.make(**base, seed=1, verifier_weights="w2")) == [
+        "seed",
+        "verifier_weights",
+    ]
+    listed = {k: v for k, v in base.items() if k not in ("source", "bytes", "sha256")}
+    listed["sources"] = [{"source": "a.jsonl", "bytes": 4, "sha256": "bb" * 32}]
+    edited = manifest.PromptsManifest.make(**listed)
+    assert old.changed(edited) == ["source"]
+    with pytest.raises(UserError) as e:
+        manifest.require(old, {"source": edited.source}, "01_prepare_prompts.py")
+    assert str(e.value) == f"{rep}: the content of a.jsonl changed; re-run 01_prepare_prompts.py"
+    with pytest.raises(UserError) as e:
+        manifest.require(old, {"dedupe": False}, "01_prepare_prompts.py")
+    assert str(e.value) == f"{rep}: prompts.dedupe True -> False; re-run 01_prepare_prompts.py"
+    with pytest.raises(UserError) as e:
+        manifest.PromptsManifest.of_record({**base, "dedupe": "maybe"}, rep)
+    assert str(e.value).startswith(f"{rep}: key 'dedupe': Input should be a valid boolean")

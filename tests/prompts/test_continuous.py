@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from conftest import SMOLLM_GGUF  # noqa: E402
+from test_reuse_answers import REGEN
 
 from eagle3.config import VerifierConfig
 from eagle3.regen.hf_engine import HFContinuousEngine
@@ -464,7 +465,7 @@ def test_slots_resume_after_a_kill(tiny, tmp_path, monkeypatch):
             CONVS,
             max_new_tokens=6,
             batch_size=2,
-            journal=ResumeLog(path, {"s": 1}),
+            journal=ResumeLog(path, REGEN),
             engine="slots",
             engine_options=opts,
         )
@@ -481,7 +482,7 @@ def test_slots_resume_after_a_kill(tiny, tmp_path, monkeypatch):
         max_new_tokens=6,
         batch_size=2,
         stats=stats,
-        journal=ResumeLog(path, {"s": 1}),
+        journal=ResumeLog(path, REGEN),
         engine="slots",
         engine_options=opts,
     )

@@ -690,14 +690,14 @@ def test_remaking_prompts_names_the_changed_settings(tmp_path, capsys):
     changed = load_config(_config(tmp_path, src, sample_size=2, seed=5))
     assert run(changed) == 0
     out = capsys.readouterr().out
-    assert f"remaking {changed.prompts_path} (settings changed: sample_size: 3 -> 2)" in out
+    assert f"remaking {changed.prompts_path} (settings changed: prompts.sample_size 3 -> 2)" in out
     assert run(changed, force=True) == 0
     assert f"remaking {changed.prompts_path} (--force)" in capsys.readouterr().out
     other = _jsonl(tmp_path / "r.jsonl", [{"messages": [U(f"v{i}"), A(f"b{i}")]} for i in range(4)])
     assert (
         run(load_config(_config(tmp_path, other, sample_size=2, seed=5))) == 0
     )  # another file: its name, no hash
-    assert f"(settings changed: source: {src!r} -> {other!r})" in capsys.readouterr().out
+    assert f"(settings changed: prompts.source {src!r} -> {other!r})" in capsys.readouterr().out
     (tmp_path / "r.jsonl").write_text(
         (tmp_path / "r.jsonl").read_text() + json.dumps({"messages": [U("w"), A("c")]})
     )
@@ -939,7 +939,7 @@ def test_an_interrupted_forced_run_is_redone_without_force(tmp_path, monkeypatch
     log, which it keeps), 02 refuses the old prompts.jsonl meanwhile, and the marker is gone once the outputs are
     written (then up to date again)."""
     import eagle3.stages.prepare_prompts as stage
-    from eagle3.stages.extract import check_prompts_current
+    from eagle3.stages.prompts_manifest import require_current
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}")]} for i in range(3)])
     cfg = load_config(_config(tmp_path, src, regenerate=True))
@@ -973,7 +973,7 @@ def test_an_interrupted_forced_run_is_redone_without_force(tmp_path, monkeypatch
         match=r"prompts\.forced-run\.json: a 01_prepare_prompts.py --force run did not "
         r"finish",
     ):
-        check_prompts_current(cfg)
+        require_current(cfg)
     capsys.readouterr()
     monkeypatch.setattr(stage, "_regenerate", answer)
     assert run(cfg) == 0
@@ -987,7 +987,7 @@ def test_an_interrupted_forced_run_is_redone_without_force(tmp_path, monkeypatch
         seen_logs[-1] is not None
     )  # the forced run's regeneration log was kept for the rerun to resume
     assert not marker.exists() and not stage.partial_path(cfg).exists()
-    check_prompts_current(cfg)  # current again
+    require_current(cfg)  # current again
     assert run(cfg) == 0 and capsys.readouterr().out.startswith("prompts up to date")
     # a forced run on a folder without prompts.jsonl has nothing to mark
     empty = load_config(
@@ -1023,7 +1023,7 @@ def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
     rows left ``prompts.jsonl`` "up to date" and 02 accepted it. The folder's files are hashed now (each reused while
     its size and mtime hold), so 01 remakes and 02 refuses, naming the source."""
     datasets = pytest.importorskip("datasets")
-    from eagle3.stages.extract import check_prompts_current
+    from eagle3.stages.prompts_manifest import require_current
 
     folder = tmp_path / "ds"
     datasets.Dataset.from_list([{"messages": [U("u0"), A("a0")]}]).save_to_disk(str(folder))
@@ -1031,15 +1031,15 @@ def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
     assert run(cfg) == 0
     capsys.readouterr()
     assert run(cfg) == 0 and capsys.readouterr().out.startswith("prompts up to date")
-    check_prompts_current(cfg)  # nothing changed: accepted
+    require_current(cfg)  # nothing changed: accepted
     shutil.rmtree(folder)
     datasets.Dataset.from_list(
         [{"messages": [U("u0"), A("a0")]}, {"messages": [U("u1"), A("a1")]}]
     ).save_to_disk(str(folder))
     with pytest.raises(
-        UserError, match=rf"\(the content of hf:{folder} changed\); re-run 01_prepare_prompts.py"
+        UserError, match=rf": the content of hf:{folder} changed; re-run 01_prepare_prompts.py"
     ):
-        check_prompts_current(cfg)
+        require_current(cfg)
     assert run(cfg) == 0
     assert (
         f"remaking {cfg.prompts_path} (settings changed: the content of hf:{folder} changed)"

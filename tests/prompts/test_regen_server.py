@@ -21,15 +21,17 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SMOLLM_GGUF, smollm_dir
 from standin_server import FakeBackend, ModelBackend, StandInServer
+from test_reuse_answers import REGEN
 
 from eagle3.chat.template import ChatOptions, prompt_ids
 from eagle3.config import PromptsConfig
 from eagle3.config.prompts import RegenServerConfig
 from eagle3.errors import UserError
 from eagle3.regen.endpoints import EndpointPool, RetryPolicy
-from eagle3.regen.regen_server import ResumeLog, regenerate_via_server
+from eagle3.regen.regen_server import regenerate_via_server
+from eagle3.regen.resume_log import ResumeLog
 
-SETTINGS = {"v": 1}
+SETTINGS = REGEN  # 01's settings as its resume log header records them
 
 
 def U(c):
@@ -502,8 +504,6 @@ def test_pool_spreads_load_and_revives_a_probed_endpoint():
     assert a.consecutive_failures == 0 and not a.probing
     with pytest.raises(UserError, match="duplicate URL"):
         EndpointPool(["http://a:1", "http://a:1/"])
-    with pytest.raises(UserError, match="not an http"):
-        EndpointPool(["a:1"])
     assert (
         RetryPolicy(5, 1.0, 3.0).delay(1) <= 1.25
         and 2.25 <= RetryPolicy(5, 1.0, 3.0).delay(4) <= 3.75
@@ -524,8 +524,14 @@ def test_resume_log_torn_tail_settings_and_input_checks(tmp_path):
     assert p.read_text().endswith(
         "]}\n"
     )  # torn tail removed, so later appends start on a fresh line
-    with pytest.raises(UserError, match="other settings .*v differ"):
-        ResumeLog(p, {"v": 2}).load(convs)
+    with pytest.raises(UserError, match=r"other settings \(dedupe differ\)"):
+        ResumeLog(p, {**SETTINGS, "dedupe": False}).load(convs)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"settings": {"v": 1}}) + "\n"
+    )  # a header that does not read as 01's settings
+    with pytest.raises(UserError, match=r"other settings \(header differ\)"):
+        ResumeLog(bad, SETTINGS).load(convs)
     with pytest.raises(UserError, match="does not match the input"):
         ResumeLog(p, SETTINGS).load([{"id": "zz", "messages": []}] * 3)
 

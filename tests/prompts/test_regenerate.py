@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from test_reuse_answers import REGEN
 
 import eagle3.regen.regenerate as regen_mod
 from eagle3.chat.template import end_of_turn_ids
@@ -328,11 +329,11 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
             convs,
             max_new_tokens=MAX_NEW,
             batch_size=2,
-            journal=ResumeLog(path, {"s": 1}),
+            journal=ResumeLog(path, REGEN),
             engine="static",
         )
     rows = [json.loads(x) for x in path.read_text().splitlines()]
-    assert rows[0] == {"settings": {"s": 1}, "answer_fields": ["tokens", "truncated", "stop_token"]}
+    assert rows[0] == {"settings": REGEN, "answer_fields": ["tokens", "truncated", "stop_token"]}
     logged = {r["id"]: r for r in rows[1:]}
     # batches 1-3 answered every first turn and turns 2-3 of the longer ones: "one", "single" finished
     assert set(logged) == {"one", "single"}
@@ -351,7 +352,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
         max_new_tokens=MAX_NEW,
         batch_size=2,
         stats=stats,
-        journal=ResumeLog(path, {"s": 1}),
+        journal=ResumeLog(path, REGEN),
         engine="static",
     )
     assert got == want
@@ -362,7 +363,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     with pytest.raises(
         UserError,
         match=r"prompts\.regen-partial\.jsonl: a regeneration was started here with "
-        r"other settings \(s differ\)",
+        r"other settings \(max_new_tokens differ\)",
     ):
         regenerate(
             model,
@@ -370,14 +371,14 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
             convs,
             max_new_tokens=MAX_NEW,
             batch_size=2,
-            journal=ResumeLog(path, {"s": 2}),
+            journal=ResumeLog(path, {**REGEN, "max_new_tokens": 9}),
         )
     # a log of a 01 from before stop_token was recorded: resumed as it is, with one warning line (refusing it threw
     # away hours of regeneration); logged_answer_fields gives the fields the report may then claim: none
     from eagle3.regen.resume_log import logged_answer_fields
 
     lines = path.read_text().splitlines()
-    path.write_text("\n".join([json.dumps({"settings": {"s": 1}})] + lines[1:]) + "\n")
+    path.write_text("\n".join([json.dumps({"settings": REGEN})] + lines[1:]) + "\n")
     assert logged_answer_fields([path]) == []
     caplog.clear()
     with caplog.at_level(logging.WARNING):
@@ -387,7 +388,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
             convs,
             max_new_tokens=MAX_NEW,
             batch_size=2,
-            journal=ResumeLog(path, {"s": 1}),
+            journal=ResumeLog(path, REGEN),
         )
     assert got == want
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [

@@ -17,6 +17,17 @@ from eagle3.regen import reuse_answers as ra
 from eagle3.stages.prepare_prompts import run
 from eagle3.stages.prompts_manifest import report_path
 
+# a regenerating 01's settings (eagle3.stages.prompts_manifest.settings) as its report records them
+REGEN = {
+    "format": "messages",
+    "sample_size": None,
+    "dedupe": True,
+    "system_prompt": None,
+    "regenerate": True,
+    "limit": None,
+    "source": "a.jsonl",
+}
+
 
 def test_conversation_key_by_hand():
     """A prompt-only input matches its regenerated output; multi-turn inputs match whatever their old answers were;
@@ -229,7 +240,7 @@ def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, ti
         UserError,
         match=r"^prompts.reuse_answers: reuses regenerated answers, but prompts.regenerate",
     ):
-        apply_overrides(cfg, None, None, False, None)  # --no-regenerate
+        apply_overrides(cfg, None, None, False)  # --no-regenerate
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
 
 
@@ -262,9 +273,9 @@ def test_answer_fields_of_an_older_or_hand_edited_01_are_said_in_one_line(tmp_pa
     from eagle3.regen.resume_log import ResumeLog, logged_answer_fields
 
     log_file = tmp_path / "prompts.regen-partial.jsonl"
-    log_file.write_text(json.dumps({"settings": {"s": 1}, "answer_fields": [1, None]}) + "\n")
+    log_file.write_text(json.dumps({"settings": REGEN, "answer_fields": [1, None]}) + "\n")
     with caplog.at_level(logging.WARNING):
-        assert ResumeLog(log_file, {"s": 1}).load([{"id": "a", "messages": []}]) == {}
+        assert ResumeLog(log_file, REGEN).load([{"id": "a", "messages": []}]) == {}
     assert caplog.messages == [
         f"{log_file}: resuming answers an older 01 wrote without tokens / truncated / stop_token on each answer "
         "(answer_fields: 1, None); they are kept as they are (02 counts an answer without stop_token as stopped on the "
@@ -275,9 +286,7 @@ def test_answer_fields_of_an_older_or_hand_edited_01_are_said_in_one_line(tmp_pa
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         ra.check_settings(
-            {"settings": {"regenerate": True}, "answer_fields": ["tokens", "truncated"]},
-            {"regenerate": True},
-            report,
+            {"settings": REGEN, "answer_fields": ["tokens", "truncated"]}, REGEN, report
         )
     assert caplog.messages == [
         f"{report}: prompts.reuse_answers: reusing answers an older 01 wrote without stop_token on each answer "
@@ -306,14 +315,25 @@ def test_the_earlier_report_is_read_as_its_model(tmp_path):
 
     rep = tmp_path / "prompts_report.json"
     with pytest.raises(UserError) as e:
-        check_settings({"counts": {}}, {"regenerate": True}, rep)
+        check_settings({"counts": {}}, REGEN, rep)
     assert str(e.value) == (
         f"{rep}: prompts.reuse_answers: field 'settings' is missing; name a regenerating 01 run's file"
     )
     with pytest.raises(UserError) as e:
-        check_settings({"settings": {"regenerate": False}}, {"regenerate": True}, rep)
+        check_settings({"settings": {**REGEN, "regenerate": False}}, REGEN, rep)
     assert str(e.value) == (
         f"{rep}: prompts.reuse_answers: field 'settings' says regenerate is not true: that run did not "
         "regenerate its answers; name a regenerating 01 run's file"
     )
-    check_settings({"settings": {"regenerate": True}}, {"regenerate": True}, rep)
+    check_settings({"settings": REGEN}, REGEN, rep)
+    with pytest.raises(
+        UserError
+    ) as e:  # settings that do not read as 01's (eagle3.manifest.PromptsManifest)
+        check_settings({"settings": {"regenerate": True}}, REGEN, rep)
+    assert str(e.value) == f"{rep}: key 'source': Field required; re-run 01_prepare_prompts.py"
+    with pytest.raises(
+        UserError, match=r"with max_new_tokens = 8, this run has 9; regenerate without"
+    ):
+        check_settings(
+            {"settings": {**REGEN, "max_new_tokens": 8}}, {**REGEN, "max_new_tokens": 9}, rep
+        )

@@ -213,17 +213,24 @@ def test_one_run_equals_the_two_step_flow_and_reruns_are_up_to_date(
         and "prompts up to date" in out
         and len(calls) == n_calls
     )
-    from eagle3.stages.prompts_manifest import prompts_changes
+    from eagle3.stages.prompts_manifest import require_current
 
-    assert prompts_changes(load_config(one))[1] == []  # 02 sees the prompts as made with its config
+    require_current(load_config(one))  # 02 sees the prompts as made with its config
 
     six = one.read_text().replace("num: 5}", "num: 6}")
     one.write_text(six)
     # 02 names the changed key (trial si-2: both whole mappings, with the file's sha256, ~700 characters)
-    assert prompts_changes(load_config(one))[1] == ["self_instruct.num: 5 -> 6"]
+    with pytest.raises(
+        UserError, match=r": prompts\.self_instruct\.num 5 -> 6; re-run 01_prepare_prompts"
+    ):
+        require_current(load_config(one))
     assert main(["--config", str(one)]) == 0
     out = capsys.readouterr().out
-    assert len(calls) == n_calls + 2 and "remaking" in out and "self_instruct.num: 5 -> 6" in out
+    assert (
+        len(calls) == n_calls + 2
+        and "remaking" in out
+        and "prompts.self_instruct.num 5 -> 6" in out
+    )
     got6 = _rows(tmp_path / "one" / "prompts.jsonl")
     assert [c["messages"][0]["content"] for c in got6[4:]] == [POOL[0], POOL[3], POOL[4], POOL[5]]
     assert got6[:7] == got

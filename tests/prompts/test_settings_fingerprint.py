@@ -50,7 +50,7 @@ def test_other_weights_under_the_same_name_remake_the_answers(
     out = capsys.readouterr().out
     assert "prompts up to date" not in out
     assert (
-        f"remaking {moved.prompts_path} (settings changed: verifier_weights (the weight files at verifier.path): "
+        f"remaking {moved.prompts_path} (settings changed: the weights at verifier.path "
         f"'{weights_fingerprint(first.verifier)}' -> '{weights_fingerprint(moved.verifier)}')"
     ) in out
     assert moved.prompts_path.read_bytes() != before  # the other model's answers
@@ -157,7 +157,7 @@ def test_seed_counts_with_self_instruct_without_sample_size(tmp_path):
     """prompts.seed also seeds prompts.self_instruct's sampling: with self_instruct and no sample_size it was left out
     of the fingerprint, so 02's prompts check let a prompts.jsonl made under another seed pass ("up to date") where it
     refused it before, though 01 would sample other self-instruct prompts."""
-    from eagle3.stages.prompts_manifest import report_changes
+    from eagle3.stages.prompts_manifest import require_current
 
     f = tmp_path / "c.yaml"
     f.write_text(
@@ -166,10 +166,16 @@ def test_seed_counts_with_self_instruct_without_sample_size(tmp_path):
     )
     made = settings(load_config(f), None)
     assert made["seed"] == 0
-    assert report_changes(load_config(f, ["prompts.seed=7"]), {"settings": made}) == [
-        "seed: 0 -> 7"
-    ]
-    assert report_changes(load_config(f), {"settings": made}) == []
+    cfg = load_config(f)
+    cfg.prompts_path.parent.mkdir(parents=True)
+    cfg.prompts_path.write_text("{}\n")
+    report_path(cfg).write_text(json.dumps({"settings": made}))
+    with pytest.raises(UserError) as e:
+        require_current(load_config(f, ["prompts.seed=7"]))
+    assert str(e.value) == (
+        f"{report_path(cfg)}: prompts.seed 0 -> 7; re-run 01_prepare_prompts.py with this config first"
+    )
+    require_current(cfg)
 
 
 def test_seed_without_sampling_leaves_prompts_up_to_date(tmp_path, capsys):
@@ -193,9 +199,9 @@ def test_seed_without_sampling_leaves_prompts_up_to_date(tmp_path, capsys):
     report_path(cfg).write_text(json.dumps(rep))
     assert run(cfg) == 0 and "prompts up to date" in capsys.readouterr().out
     assert run(load_config(f, ["prompts.sample_size=3"])) == 0
-    assert "(settings changed: sample_size: None -> 3)" in capsys.readouterr().out
+    assert "(settings changed: prompts.sample_size None -> 3)" in capsys.readouterr().out
     assert run(load_config(f, ["prompts.sample_size=3", "prompts.seed=7"])) == 0
-    assert "(settings changed: seed: 0 -> 7)" in capsys.readouterr().out
+    assert "(settings changed: prompts.seed 0 -> 7)" in capsys.readouterr().out
 
 
 def test_a_report_without_the_weights_fingerprint_stays_up_to_date(
