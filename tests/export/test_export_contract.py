@@ -739,6 +739,11 @@ def test_short_context_fix_hint_is_enough(tmp_path):
         ("bfloat16", "auto", torch.bfloat16),
         ("float16", "auto", torch.float16),
         (
+            "auto",
+            "auto",
+            torch.bfloat16,
+        ),  # verifier.dtype auto: bfloat16 on CUDA, the serving dtype
+        (
             "float32",
             "float32",
             torch.float16,
