@@ -42,7 +42,7 @@ from eagle3.shards.format import DATA_CONFIG
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import resume_checks
 from eagle3.train.folder import TRAIN_LOCK, train_lock_holder
-from eagle3.train.inputs import build_drafter_args
+from eagle3.train.inputs import SHAPE_FIELDS, build_drafter_args
 from eagle3.train.report import export_provenance, record_export_only
 from eagle3.train.sim_accept import BEST_FILE, load_best_for_export
 from eagle3.train.warm_start import init_drafter, init_from_not_a_folder
@@ -78,14 +78,6 @@ def check_export_destination(out: Path, engine: str, field: str = "export.output
             break
     probe_dirs(out.parent, field)  # the export is made beside it and renamed
     check_replaceable(out, engine)
-
-
-#: The ``drafter`` shape fields that, all set (Llama attention), spare 04 the verifier's config
-#: (:func:`eagle3.train.inputs.build_drafter_args`).
-SHAPE_FIELDS = (
-    "hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size rms_norm_eps rope_theta "
-    "max_position_embeddings"
-).split()
 
 
 def check_export_serves(cfg: RunConfig) -> Optional[str]:
@@ -126,7 +118,7 @@ def check_export_serves(cfg: RunConfig) -> Optional[str]:
 def planned_context(drafter, tc) -> tuple[Optional[int], Optional[dict]]:
     """``(max_position_embeddings, rope_scaling)`` of the drafter 04 builds from the ``drafter`` section and the
     verifier's text config ``tc`` (None: unreadable; ``(None, None)`` when they are needed), by
-    :func:`eagle3.train.inputs.build_drafter_args`' rule: every :data:`SHAPE_FIELDS` set (Llama attention) = the
+    :func:`eagle3.train.inputs.build_drafter_args`' rule: every ``SHAPE_FIELDS`` set (Llama attention) = the
     verifier is not read and the rope is the default; else a null field is the verifier's (4096 when it states
     none) and its rope scaling is copied (:func:`eagle3.drafter.args.copied_rope_scaling`), an MLA drafter's being
     an MLA verifier's own (:func:`eagle3.verifier.arch.mla_rope_scaling`)."""

@@ -58,6 +58,13 @@ class Setup:
     train_field: str = "train.output_dir"
 
 
+SHAPE_FIELDS = (
+    "hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size rms_norm_eps rope_theta "
+    "max_position_embeddings"
+).split()
+"""The ``drafter`` shape fields: null = the verifier's; all set (Llama attention), the verifier's config is not read."""
+
+
 def build_drafter_args(s: Setup, data_config: dict, vocab: dict):
     """``DrafterArgs`` from ``s.drafter`` (``s``: a :class:`Setup` or the run config); null fields come from the verifier
     config (read only then; ``head_dim``: :func:`_head_dim`), vocab sizes from ``vocab``, ``target_hidden_size`` from
@@ -68,11 +75,7 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict):
         UserError: unreadable verifier config or an invalid shape (field named).
     """
 
-    fields = (
-        "hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size rms_norm_eps "
-        "rope_theta max_position_embeddings"
-    ).split()
-    given = {f: getattr(s.drafter, f) for f in fields}
+    given = {f: getattr(s.drafter, f) for f in SHAPE_FIELDS}
     fixed = dict(  # vocab sizes from the map, the feature width from the shards
         draft_vocab_size=int(vocab["draft_vocab_size"]),
         target_vocab_size=int(vocab["target_vocab_size"]),
