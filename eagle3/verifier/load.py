@@ -334,10 +334,9 @@ def load_verifier_config(vcfg: VerifierSpec):
 
 
 # transformers' GGUF quantizer warns on every load in a dtype other than float32; the dtype is chosen (verifier.dtype,
-# auto: resolve_dtype), so that note is dropped and the choice logged once per process.
+# auto: resolve_dtype, whose choice load_verifier logs), so that note is dropped.
 _GGUF_DTYPE_NOTE = "Loading a GGUF checkpoint with its weights packed is fastest in float32"
 _GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
-_gguf_reason_logged = False
 
 
 class _DropGgufDtypeNote(logging.Filter):
@@ -350,18 +349,10 @@ class _DropGgufDtypeNote(logging.Filter):
 @contextlib.contextmanager
 def _gguf_dtype_note_silenced(vcfg: VerifierSpec, dtype: str):
     """While loading a GGUF verifier in ``dtype`` != float32: transformers' float32 note is filtered out of its
-    logger, and one INFO line per process says so (see :data:`_GGUF_DTYPE_NOTE`)."""
-    global _gguf_reason_logged
+    logger (see :data:`_GGUF_DTYPE_NOTE`)."""
     if not vcfg.gguf_file or dtype == "float32":
         yield
         return
-    if not _gguf_reason_logged:
-        log.info(
-            "GGUF verifier loaded in %s as chosen (verifier.dtype); transformers' 'fastest in float32' note is "
-            "not shown",
-            dtype,
-        )
-        _gguf_reason_logged = True
     logger, note = logging.getLogger(_GGUF_LOGGER), _DropGgufDtypeNote()
     logger.addFilter(note)
     try:
