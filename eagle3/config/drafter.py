@@ -48,9 +48,9 @@ class DrafterConfig(Section):
     max_position_embeddings: Optional[StrictInt] = Field(
         None,
         ge=1,
-        description="the draft config's context; below the verifier's, 04 warns and the SGLang export is "
-        "refused (SGLang will not start such a draft). No weight depends on it: --export-only re-exports with the "
-        "value set here (null = the verifier's)",
+        description="the draft config's context; below the verifier's, 04 refuses at its start for "
+        "export.engine sglang (SGLang will not start such a draft) and warns for vllm. No weight depends on it: "
+        "--export-only re-exports with the value set here (null = the verifier's)",
     )
     variant: Literal["eagle3", "eagle3.1"] = Field(
         "eagle3",

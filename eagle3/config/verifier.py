@@ -52,7 +52,11 @@ class VerifierConfig(Section):
     trust_remote_code: StrictBool = Field(
         False, description="run the checkpoint's own Python code (needed for Kimi)"
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description="auto = decided at load: bfloat16 on CUDA and on a CPU with bf16 instructions (AVX512-BF16 or "
+        "AMX), float32 on other CPUs (bf16 is emulated there, several times slower)",
+    )
     device: str = Field("auto", description="'auto' = cuda if available else cpu")
     chat_template: Optional[str] = Field(
         None, description="Jinja template overriding the tokenizer's"

@@ -223,9 +223,7 @@ class DrafterArgs:
             else (lambda k, d=None: getattr(cfg, k, d))
         )
         rp = get("rope_parameters") or {}
-        rs = get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-        if rs and rs.get("rope_type", rs.get("type")) not in ("linear", "llama3"):
-            rs = None  # default rope (transformers 5 reports it as a dict), or an unsupported type
+        rs = copied_rope_scaling(cfg)
         H = get("hidden_size")
         heads = get("num_attention_heads")
         vals = dict(
@@ -240,9 +238,21 @@ class DrafterArgs:
             draft_vocab_size=draft_vocab_size,
             target_vocab_size=get("vocab_size"),
             target_hidden_size=H,
-            rope_scaling=dict(rs) if rs else None,
+            rope_scaling=rs,
         )
         vals.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_json(
             vals, source="verifier config"
         )  # a size it lacks: "... got None; set drafter.<field>"
+
+
+def copied_rope_scaling(cfg: Any) -> Optional[dict]:
+    """The verifier's rope scaling a drafter copies (:meth:`DrafterArgs.from_hf_config`): ``rope_scaling``, or a
+    non-default transformers 5 ``rope_parameters``, when its type is ``linear`` or ``llama3``; else None (default
+    rope, e.g. for YaRN verifiers such as Kimi). ``cfg``: a (text) config object or ``config.json`` dict."""
+    get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
+    rp = get("rope_parameters") or {}
+    rs = get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+    if rs and rs.get("rope_type", rs.get("type")) not in ("linear", "llama3"):
+        return None  # default rope (transformers 5 reports it as a dict), or an unsupported type
+    return dict(rs) if rs else None

@@ -118,6 +118,8 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
     Raises:
         UserError: an unknown dtype name.
     """
+    if verifier_dtype == "auto":  # decided at load; served in bfloat16 (CUDA)
+        verifier_dtype = "bfloat16"
     if name == "auto" and verifier_dtype == "float32":
         log.info(
             "export.dtype auto with verifier.dtype float32: exporting bfloat16, the serving dtype "

@@ -61,18 +61,6 @@ def check_engine_serves(engine: str, variant: str, mla: Optional[dict] = None) -
         )
 
 
-def check_config_serves(engine: str, attention: str, mla_given: dict) -> None:
-    """04's refusal before training of an MLA drafter the ``engine`` cannot serve, from the ``drafter.mla`` sizes
-    the config sets (``mla_given``: field -> value, None = the verifier's: judged at the export, by
-    :func:`check_engine_serves`, once the verifier has filled it in).
-
-    Raises:
-        UserError: as :func:`check_engine_serves`.
-    """
-    if attention == "mla":
-        check_engine_serves(engine, "eagle3", {k: v for k, v in mla_given.items() if v is not None})
-
-
 def format_of(cfg: dict, path: Path) -> ModuleType:
     """The format module a ``config.json`` dict (read from ``path``) is in.
 

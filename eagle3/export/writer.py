@@ -28,7 +28,6 @@ from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, draft_layer_config
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import LABELS, known, others, spelled
-from eagle3.engines.context import check_context_length
 from eagle3.engines.layers import check_aux_layers, engine_layer_ids, layer_id_convention
 from eagle3.errors import UserError
 from eagle3.export.common import (
@@ -64,8 +63,9 @@ def export_drafter(
         engine: one of :data:`eagle3.engines.ENGINES`; the folder is for that engine only.
         aux_layers_hf: the three aux layers as HF ``hidden_states`` indices (capture convention).
         verifier_info: ``{name, architecture, num_layers, hidden_size, vocab_size}`` (required: stage 04 takes them
-            from ``data_config.json``, whose reader refuses a missing one), optionally
-            ``context_length`` (:func:`eagle3.engines.context.check_context_length`) and ``weights``.
+            from ``data_config.json``, whose reader refuses a missing one), optionally ``weights``. The draft's
+            context length against the verifier's is 04's start-up decision
+            (:func:`eagle3.stages.export.check_export_serves`), not checked here.
         include_embeddings: also store ``embed_tokens.weight`` (required when the drafter's hidden size differs).
         num_speculative_tokens: vLLM ``speculators_config.proposal_methods[0].speculative_tokens``.
         dtype: the weights' dtype (a name from :data:`eagle3.export.common.EXPORT_DTYPES` is accepted), recorded
@@ -76,8 +76,7 @@ def export_drafter(
 
     Raises:
         UserError: unknown engine or dtype, an engine that cannot serve the drafter's variant, aux layers invalid
-            for the verifier, a broken shape contract, a draft context
-            SGLang refuses, a required tensor missing, or the folder's write refusals
+            for the verifier, a broken shape contract, a required tensor missing, or the folder's write refusals
             (:func:`eagle3.export.folder.write_export_folder`).
     """
     out_dtype, aux, ids = _check_request(
@@ -138,7 +137,6 @@ def _check_request(
     arch = str(verifier_info["architecture"])
     aux = check_aux_layers(aux_layers_hf, int(verifier_info["num_layers"]), field="aux_layers_hf")
     check_export_contract(drafter, verifier_info, include_embeddings)
-    check_context_length(drafter.args, verifier_info.get("context_length"), engine)
     return out_dtype, aux, engine_layer_ids(aux, engine, arch)
 
 

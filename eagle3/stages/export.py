@@ -8,6 +8,8 @@
   convention; :func:`eagle3.engines.layers.engine_layer_ids` converts them per engine): the shards'
   ``data_config.json``, or when the shards were deleted the checkpoint's record of it (:func:`shards_data_config`).
 - :func:`check_export_destination`: 04's start-up check of the export folder.
+- :func:`check_export_serves`: 04's start-up check that ``export.engine`` can serve the configured drafter (variant,
+  MLA sizes, context length), decided once from the config and the verifier's config.
 - :func:`load_init_drafter`: ``train.init_from``, an exported folder that starts the run (warm start).
 """
 
@@ -18,14 +20,18 @@ import dataclasses
 import errno
 import logging
 from pathlib import Path
+from typing import Optional
 
 from eagle3.config import RunConfig
 from eagle3.data.vocab import load_run_vocab_map
-from eagle3.drafter.args import DrafterArgs
+from eagle3.drafter.args import DrafterArgs, copied_rope_scaling
 from eagle3.drafter.draft_config import untrained_positions
+from eagle3.drafter.mla import resolve_mla
+from eagle3.engines.context import check_context_length
 from eagle3.errors import UserError
 from eagle3.export.common import export_dtype
 from eagle3.export.folder import check_replaceable
+from eagle3.export.formats import check_engine_serves
 from eagle3.export.reader import check_export_folder, load_exported
 from eagle3.export.writer import export_drafter
 from eagle3.io import exclusive_lock, probe_dirs, rerun_hint
@@ -36,17 +42,13 @@ from eagle3.shards.format import DATA_CONFIG
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import resume_checks
 from eagle3.train.folder import TRAIN_LOCK, train_lock_holder
-from eagle3.train.inputs import build_drafter_args
+from eagle3.train.inputs import SHAPE_FIELDS, build_drafter_args
 from eagle3.train.report import export_provenance, record_export_only
 from eagle3.train.sim_accept import BEST_FILE, load_best_for_export
 from eagle3.train.warm_start import init_drafter, init_from_not_a_folder
-from eagle3.verifier.arch import text_config
+from eagle3.verifier.arch import cfg_get, mla_rope_scaling, mla_sizes, text_config
 from eagle3.verifier.head import TargetHead
-from eagle3.verifier.load import (
-    load_verifier_config,
-    verifier_context_length,
-    verifier_dims,
-)
+from eagle3.verifier.load import load_verifier_config, serving_context_length, verifier_dims
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,68 @@ def check_export_destination(out: Path, engine: str, field: str = "export.output
     check_replaceable(out, engine)
 
 
+def check_export_serves(cfg: RunConfig) -> Optional[str]:
+    """04's start-up decision (training and ``--export-only``, before anything is read or written) that
+    ``export.engine`` can serve the drafter the config describes: its variant and MLA sizes
+    (:func:`eagle3.export.formats.check_engine_serves`; null ``drafter.mla`` sizes are the verifier's) and its context
+    length against the verifier's (:func:`eagle3.engines.context.check_context_length`). The export does not check
+    the context again: it writes what 04 built from the same config (``--export-only``: the config's value, or with
+    null at least the verifier's, :func:`_with_config_context`).
+
+    The verifier's config is read when it can be; when it cannot, what needs it is not checked here (04's setup
+    then refuses a drafter field it cannot derive).
+
+    Returns:
+        vLLM's one warning line for a draft shorter than the verifier (the caller logs it), else None.
+
+    Raises:
+        UserError: one line: an engine that cannot serve the variant or MLA sizes, a null ``drafter.mla`` size of a
+            verifier without MLA, or (SGLang) ``drafter.max_position_embeddings`` below the verifier's context.
+    """
+    engine, d = cfg.export.engine, cfg.drafter
+    tc = _verifier_text_config(cfg.verifier)
+    mla = None
+    if d.attention == "mla":
+        given = d.mla.model_dump()
+        mla = (
+            resolve_mla(given, mla_sizes(tc))
+            if tc is not None
+            else {k: v for k, v in given.items() if v is not None}
+        )
+    check_engine_serves(engine, d.variant, mla)
+    mpe, rope = planned_context(d, tc)
+    if mpe is None or tc is None:
+        return None
+    return check_context_length(mpe, rope, serving_context_length(tc), engine)
+
+
+def planned_context(drafter, tc) -> tuple[Optional[int], Optional[dict]]:
+    """``(max_position_embeddings, rope_scaling)`` of the drafter 04 builds from the ``drafter`` section and the
+    verifier's text config ``tc`` (None: unreadable; ``(None, None)`` when they are needed), by
+    :func:`eagle3.train.inputs.build_drafter_args`' rule: every ``SHAPE_FIELDS`` set (Llama attention) = the
+    verifier is not read and the rope is the default; else a null field is the verifier's (4096 when it states
+    none) and its rope scaling is copied (:func:`eagle3.drafter.args.copied_rope_scaling`), an MLA drafter's being
+    an MLA verifier's own (:func:`eagle3.verifier.arch.mla_rope_scaling`)."""
+    mpe = drafter.max_position_embeddings
+    if drafter.attention != "mla" and all(getattr(drafter, f) is not None for f in SHAPE_FIELDS):
+        return mpe, None
+    if tc is None:
+        return None, None
+    if mpe is None:
+        mpe = cfg_get(tc, "max_position_embeddings", 4096)
+    own = mla_rope_scaling(tc) if drafter.attention == "mla" and mla_sizes(tc) is not None else None
+    return (None if mpe is None else int(mpe)), own or copied_rope_scaling(tc)
+
+
+def _verifier_text_config(vcfg):
+    """The verifier's text config, or None when it cannot be read (no weights loaded)."""
+    try:
+        return text_config(load_verifier_config(vcfg))
+    except (UserError, OSError, ValueError) as e:
+        log.debug("verifier config unreadable: %s", e)
+        return None
+
+
 def export_for_run(
     cfg: RunConfig,
     drafter,
@@ -102,7 +166,6 @@ def export_for_run(
     verifier_info = {
         "name": data_config["verifier"],
         **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
-        "context_length": verifier_context_length(cfg.verifier),
         "weights": data_config.get("verifier_weights"),
     }  # 05 warns when verifier.path holds others
     ttt_length = cfg.train.ttt_length if ttt_length is None else int(ttt_length)
@@ -286,8 +349,7 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
             f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
             f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})"
         )
-    # the export checks the context itself: no start-of-training warning here
-    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab, warn_context=False))
+    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab))
     saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
     resume_checks.check_drafter_args(
         path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"}

@@ -3,7 +3,8 @@
 One call of :func:`run` does, on every process (single process, or ``torchrun`` ranks):
 
 1. torch.distributed from the torchrun environment; the ranks compare their config and flags first
-   (:mod:`eagle3.train.ranks`).
+   (:mod:`eagle3.train.ranks`); with an export, whether ``export.engine`` can serve the configured drafter
+   (:func:`eagle3.stages.export.check_export_serves`: variant, MLA sizes, context length).
 2. Setup (:mod:`eagle3.train.inputs`), every input checked before the first write, under 04's lock on the train
    folder (:func:`eagle3.train.folder.train_lock`): drafter shape, verifier head, drafter init or warm start
    (``train.init_from``, :mod:`eagle3.train.warm_start`), the hidden-state source (:mod:`eagle3.train.online`), the
@@ -39,7 +40,6 @@ from eagle3.data.dataset import read_split
 from eagle3.data.validation_record import record_fingerprint, require_passed
 from eagle3.data.vocab import load_run_vocab_map
 from eagle3.engines.layers import check_servable
-from eagle3.export.formats import check_config_serves
 from eagle3.io import rerun_hint
 from eagle3.process_group import Dist, process_group_scope
 from eagle3.sdpa import no_cudnn_sdpa
@@ -47,6 +47,7 @@ from eagle3.shards.checks import check_extract_settings, check_verifier
 from eagle3.shards.data_config import read_data_config
 from eagle3.stages.export import (
     check_export_destination,
+    check_export_serves,
     export_for_run,
     export_from_checkpoint,
     load_init_drafter,
@@ -82,8 +83,8 @@ def main(
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
     # before training (not after it) or the export
     check_export_destination(cfg.export_dir, cfg.export.engine, cfg.output_field("export"))
-    check_config_serves(cfg.export.engine, cfg.drafter.attention, cfg.drafter.mla.model_dump())
     if export_only:
+        warn_export_serves(cfg, True)
         with resume_on_interrupt(lambda: export_interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line
             out = export_from_checkpoint(cfg)
         print(f"exported: {out}")
@@ -97,6 +98,14 @@ def main(
         stop_at=stop_at,
     )
     return interrupted_exit(res) if res["stopped"] else 0
+
+
+def warn_export_serves(cfg: RunConfig, is_main: bool) -> None:
+    """:func:`eagle3.stages.export.check_export_serves` (its refusals raised on every rank), its warning logged on
+    rank 0 (``is_main``; within training, also in ``train_report.json``'s ``warnings``)."""
+    warning = check_export_serves(cfg)
+    if warning and is_main:
+        log.warning("%s", warning)
 
 
 def export_interrupt_hint(cfg: RunConfig) -> str:
@@ -171,6 +180,8 @@ def _run(cfg, d, stop, resume, max_steps, stop_after, export=None, init=None, st
     ranks.ranks_agree(d, {**ranks.dotted(cfg.model_dump(mode="json")), **flags})
     with contextlib.ExitStack() as held, metrics.collect_warnings(d.is_main) as warned:
         setup.warn_world_size(cfg, d)
+        if export is not None:  # before anything is read or written: not after the training
+            warn_export_serves(cfg, d.is_main)
         lock = lambda: held.enter_context(  # noqa: E731
             train_lock(cfg.train_dir, d, cfg.output_field("train"))
         )

@@ -19,7 +19,6 @@ from eagle3.data.batching import sample_lengths
 from eagle3.data.dataset import ShardDataset
 from eagle3.drafter.args import DrafterArgs
 from eagle3.drafter.mla import mla_drafter_fields
-from eagle3.engines.context import check_context_length
 from eagle3.errors import UserError
 from eagle3.io import make_dirs
 from eagle3.process_group import Dist
@@ -39,7 +38,6 @@ from eagle3.verifier.head import TargetHead, load_target_head_from_safetensors
 from eagle3.verifier.load import (
     load_verifier,
     load_verifier_config,
-    verifier_context_length,
     verifier_dims,
 )
 
@@ -60,23 +58,24 @@ class Setup:
     train_field: str = "train.output_dir"
 
 
-def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: bool = True):
+SHAPE_FIELDS = (
+    "hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size rms_norm_eps rope_theta "
+    "max_position_embeddings"
+).split()
+"""The ``drafter`` shape fields: null = the verifier's; all set (Llama attention), the verifier's config is not read."""
+
+
+def build_drafter_args(s: Setup, data_config: dict, vocab: dict):
     """``DrafterArgs`` from ``s.drafter`` (``s``: a :class:`Setup` or the run config); null fields come from the verifier
     config (read only then; ``head_dim``: :func:`_head_dim`), vocab sizes from ``vocab``, ``target_hidden_size`` from
-    ``data_config``. ``warn_context``: :func:`warn_short_context` (``--export-only`` passes False: its export says it).
+    ``data_config``. The export engine's context rule was decided at 04's start
+    (:func:`eagle3.stages.export.check_export_serves`, whose ``planned_context`` follows this function's rule).
 
     Raises:
         UserError: unreadable verifier config or an invalid shape (field named).
     """
 
-    def checked(args):
-        return warn_short_context(s, args) if warn_context else args
-
-    fields = (
-        "hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size rms_norm_eps "
-        "rope_theta max_position_embeddings"
-    ).split()
-    given = {f: getattr(s.drafter, f) for f in fields}
+    given = {f: getattr(s.drafter, f) for f in SHAPE_FIELDS}
     fixed = dict(  # vocab sizes from the map, the feature width from the shards
         draft_vocab_size=int(vocab["draft_vocab_size"]),
         target_vocab_size=int(vocab["target_vocab_size"]),
@@ -84,10 +83,8 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
     )
     mla_given = s.drafter.mla.model_dump() if s.drafter.attention == "mla" else None
     if mla_given is None and all(v is not None for v in given.values()):
-        return checked(
-            DrafterArgs(
-                **given, **fixed, variant=s.drafter.variant, num_layers=s.drafter.num_layers
-            )
+        return DrafterArgs(
+            **given, **fixed, variant=s.drafter.variant, num_layers=s.drafter.num_layers
         )
     hf = load_verifier_config(s.verifier)
     dims = verifier_dims(hf)
@@ -96,15 +93,13 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
     if mla_given is not None:  # MLA sizes: drafter.mla over the verifier's (eagle3/drafter/mla.py)
         heads = given["num_attention_heads"] or dims["num_attention_heads"]
         over.update(mla_drafter_fields(mla_given, heads, text_config(hf)))
-    return checked(
-        DrafterArgs.from_hf_config(
-            text_config(hf),
-            fixed["draft_vocab_size"],
-            **over,
-            **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
-            variant=s.drafter.variant,
-            num_layers=s.drafter.num_layers,
-        )
+    return DrafterArgs.from_hf_config(
+        text_config(hf),
+        fixed["draft_vocab_size"],
+        **over,
+        **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
+        variant=s.drafter.variant,
+        num_layers=s.drafter.num_layers,
     )
 
 
@@ -116,15 +111,6 @@ def _head_dim(given: dict, dims: dict) -> int:
         h = given["hidden_size"] or dims["hidden_size"]
         return h // (given["num_attention_heads"] or dims["num_attention_heads"])
     return dims["head_dim"]
-
-
-def warn_short_context(s: Setup, args):
-    """Warn when the drafter's context is below the verifier's (SGLang export refused, vLLM caps it); returns ``args``."""
-    try:
-        check_context_length(args, verifier_context_length(s.verifier), "sglang")
-    except UserError as e:
-        log.warning("%s. The SGLang export will be refused; vLLM caps the draft at that length.", e)
-    return args
 
 
 def warn_world_size(s: Setup, d: Dist) -> Optional[str]:

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import weakref
 from pathlib import Path
-from typing import Annotated, Any, Optional, Protocol, Union
+from typing import Annotated, Any, Iterable, Optional, Protocol, Union
 
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, StrictInt
@@ -24,6 +24,8 @@ from eagle3.verifier.arch import cfg_get, drafter_head_dim, text_config
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+"""x86 CPU flags (``/proc/cpuinfo`` names) of bfloat16 matrix instructions (AVX512-BF16, AMX-BF16)."""
 
 
 class VerifierSpec(Protocol):
@@ -33,7 +35,7 @@ class VerifierSpec(Protocol):
     Attributes:
         gguf_file: a GGUF file name inside the folder, or None for an HF folder.
         trust_remote_code: pass ``trust_remote_code=True`` to transformers.
-        dtype: ``bfloat16`` | ``float16`` | ``float32``.
+        dtype: ``auto`` (:func:`resolve_dtype`) | ``bfloat16`` | ``float16`` | ``float32``.
         device: ``auto`` | ``cpu`` | ``cuda[:i]``.
     """
 
@@ -146,6 +148,46 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
         )
         raise UserError(f"verifier.device: '{device}', but this machine has {has}")
     return dev
+
+
+def cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags: the first ``flags`` line of ``/proc/cpuinfo``; empty where there is none (not Linux,
+    not x86)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags") and ":" in line:
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_auto_dtype(flags: Iterable[str]) -> str:
+    """``verifier.dtype: auto`` on a CPU with these feature ``flags`` (:func:`cpu_flags`): ``bfloat16`` where it has
+    bf16 instructions (any of :data:`BF16_CPU_FLAGS`), else ``float32`` (without them bf16 is emulated: 01/02's
+    prefill was 6.4x slower than float32 on an AVX2-only CPU, issue 51)."""
+    return "bfloat16" if set(flags) & set(BF16_CPU_FLAGS) else "float32"
+
+
+def resolve_dtype(
+    dtype: str, device: torch.device, flags: Optional[Iterable[str]] = None
+) -> tuple[str, str]:
+    """``(name, why)``: the dtype the verifier loads in on ``device`` and why. ``verifier.dtype`` as set, or for
+    ``auto``: :func:`cpu_auto_dtype` of ``flags`` (default :func:`cpu_flags`) on a CPU, ``bfloat16`` on any other
+    device (CUDA: the serving dtype)."""
+    if dtype != "auto":
+        return dtype, "verifier.dtype"
+    if device.type != "cpu":
+        return "bfloat16", f"verifier.dtype auto on {device.type}"
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    have = [f for f in BF16_CPU_FLAGS if f in flags]
+    why = (
+        f"verifier.dtype auto: the CPU has {', '.join(have)}"
+        if have
+        else f"verifier.dtype auto: the CPU has none of {', '.join(BF16_CPU_FLAGS)} (bf16 would be emulated)"
+    )
+    return cpu_auto_dtype(flags), why
 
 
 def _from_pretrained(what: str, loader, path: Path, **kw):
@@ -291,12 +333,10 @@ def load_verifier_config(vcfg: VerifierSpec):
         return PretrainedConfig(**raw)
 
 
-# transformers' GGUF quantizer warns on every load in a dtype other than float32; verifier.dtype is chosen on
-# purpose (configs/smollm2-135m.yaml: bf16 generated faster on CPU), so that note is dropped and the reason
-# logged once per process.
+# transformers' GGUF quantizer warns on every load in a dtype other than float32; the dtype is chosen (verifier.dtype,
+# auto: resolve_dtype, whose choice load_verifier logs), so that note is dropped.
 _GGUF_DTYPE_NOTE = "Loading a GGUF checkpoint with its weights packed is fastest in float32"
 _GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
-_gguf_reason_logged = False
 
 
 class _DropGgufDtypeNote(logging.Filter):
@@ -307,20 +347,12 @@ class _DropGgufDtypeNote(logging.Filter):
 
 
 @contextlib.contextmanager
-def _gguf_dtype_note_silenced(vcfg: VerifierSpec):
-    """While loading a GGUF verifier in ``verifier.dtype`` != float32: transformers' float32 note is filtered out
-    of its logger, and one INFO line per process says why the dtype is kept (see :data:`_GGUF_DTYPE_NOTE`)."""
-    global _gguf_reason_logged
-    if not vcfg.gguf_file or vcfg.dtype == "float32":
+def _gguf_dtype_note_silenced(vcfg: VerifierSpec, dtype: str):
+    """While loading a GGUF verifier in ``dtype`` != float32: transformers' float32 note is filtered out of its
+    logger (see :data:`_GGUF_DTYPE_NOTE`)."""
+    if not vcfg.gguf_file or dtype == "float32":
         yield
         return
-    if not _gguf_reason_logged:
-        log.info(
-            "GGUF verifier loaded in verifier.dtype=%s on purpose (it generated faster than float32 on CPU); "
-            "transformers' 'fastest in float32' note is not shown",
-            vcfg.dtype,
-        )
-        _gguf_reason_logged = True
     logger, note = logging.getLogger(_GGUF_LOGGER), _DropGgufDtypeNote()
     logger.addFilter(note)
     try:
@@ -330,7 +362,8 @@ def _gguf_dtype_note_silenced(vcfg: VerifierSpec):
 
 
 def load_verifier(vcfg: VerifierSpec, device: Optional[Union[str, torch.device]] = None):
-    """Load the verifier model (eval mode, ``vcfg.dtype``) and its tokenizer.
+    """Load the verifier model (eval mode, ``vcfg.dtype``; ``auto`` decided here by :func:`resolve_dtype` and
+    logged in one line) and its tokenizer.
 
     Args:
         vcfg: the ``verifier`` section of the run config.
@@ -346,9 +379,12 @@ def load_verifier(vcfg: VerifierSpec, device: Optional[Union[str, torch.device]]
     path = _check_files(vcfg)
     dev = resolve_device(device if device is not None else vcfg.device)
     tok = load_tokenizer(vcfg)
-    with _gguf_dtype_note_silenced(vcfg):
+    dtype, why = resolve_dtype(vcfg.dtype, dev)
+    if vcfg.dtype == "auto":
+        log.info("verifier in %s on %s (%s)", dtype, dev, why)
+    with _gguf_dtype_note_silenced(vcfg, dtype):
         model = _from_pretrained(
-            "model", AutoModelForCausalLM, path, dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg)
+            "model", AutoModelForCausalLM, path, dtype=_DTYPES[dtype], **_hf_kwargs(vcfg)
         )
     model.to(dev)
     model.eval()

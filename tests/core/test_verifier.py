@@ -14,10 +14,13 @@ from eagle3.errors import UserError
 from eagle3.verifier.arch import text_config
 from eagle3.verifier.load import (
     _hf_kwargs,
+    cpu_auto_dtype,
+    cpu_flags,
     load_tokenizer,
     load_verifier,
     load_verifier_config,
     resolve_device,
+    resolve_dtype,
     verifier_dims,
 )
 
@@ -247,12 +250,12 @@ def test_gguf_float32_note_dropped_only_while_a_deliberate_dtype_loads():
     try:
         note = _GGUF_DTYPE_NOTE + ", and this one was asked for in torch.bfloat16."
         with _gguf_dtype_note_silenced(
-            VerifierConfig(path="x", gguf_file="m.gguf", dtype="bfloat16")
+            VerifierConfig(path="x", gguf_file="m.gguf", dtype="auto"), "bfloat16"
         ):
             logger.warning(note)
             logger.warning("another GGUF warning")
         with _gguf_dtype_note_silenced(
-            VerifierConfig(path="x", gguf_file="m.gguf", dtype="float32")
+            VerifierConfig(path="x", gguf_file="m.gguf", dtype="auto"), "float32"
         ):
             logger.warning(note + " (float32)")
         logger.warning(note + " (outside)")
@@ -292,3 +295,61 @@ def test_weights_differ_is_the_one_fingerprint_rule():
             and not weights_differ(missing, a)
             and not weights_differ(missing, None)
         )
+
+
+@pytest.mark.parametrize(
+    "flags,want",
+    [
+        ({"fpu", "sse4_2", "avx2", "fma"}, "float32"),  # AVX2 only (issue 51's CPU)
+        ({"avx2", "avx512f", "avx512_vnni"}, "float32"),  # AVX-512 without its BF16 extension
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),  # AVX512-BF16 (Cooper Lake, Zen 4)
+        ({"avx2", "amx_tile", "amx_bf16"}, "bfloat16"),  # AMX-BF16 (Sapphire Rapids)
+        (set(), "float32"),  # no flags read (not Linux, not x86)
+    ],
+)
+def test_auto_dtype_on_a_cpu_is_bf16_only_with_bf16_instructions(flags, want):
+    assert cpu_auto_dtype(flags) == want
+    assert resolve_dtype("auto", torch.device("cpu"), flags)[0] == want
+
+
+def test_resolve_dtype_keeps_a_set_dtype_and_says_why_auto_chose():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert resolve_dtype(dtype, cpu, {"avx2"}) == (dtype, "verifier.dtype")
+        assert resolve_dtype(dtype, cuda, {"amx_bf16"}) == (dtype, "verifier.dtype")
+    assert resolve_dtype("auto", cuda, set()) == ("bfloat16", "verifier.dtype auto on cuda")
+    assert resolve_dtype("auto", cpu, {"amx_bf16", "avx512_bf16", "avx2"}) == (
+        "bfloat16",
+        "verifier.dtype auto: the CPU has avx512_bf16, amx_bf16",
+    )
+    assert resolve_dtype("auto", cpu, {"avx2"}) == (
+        "float32",
+        "verifier.dtype auto: the CPU has none of avx512_bf16, amx_bf16 (bf16 would be emulated)",
+    )
+
+
+def test_cpu_flags_are_the_first_flags_line_of_cpuinfo(tmp_path):
+    f = tmp_path / "cpuinfo"
+    f.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 amx_bf16\nbugs\t\t: spectre_v1\n\n"
+        "processor\t: 1\nflags\t\t: fpu\n"
+    )
+    assert cpu_flags(f) == frozenset({"fpu", "avx2", "amx_bf16"})
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_auto_loads_by_the_cpu_flags_and_logs_one_line(tiny_llama_dir, monkeypatch, caplog):
+    import eagle3.verifier.load as load
+
+    for flags, want in ((("avx2",), "float32"), (("avx2", "amx_bf16"), "bfloat16")):
+        monkeypatch.setattr(load, "cpu_flags", lambda flags=flags: frozenset(flags))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="eagle3.verifier.load"):
+            model, _ = load_verifier(
+                VerifierConfig(path=str(tiny_llama_dir), dtype="auto"), device="cpu"
+            )
+        assert next(model.parameters()).dtype == getattr(torch, want)
+        lines = [r.getMessage() for r in caplog.records if r.name == "eagle3.verifier.load"]
+        assert lines == [
+            f"verifier in {want} on cpu ({resolve_dtype('auto', torch.device('cpu'), flags)[1]})"
+        ]

@@ -675,11 +675,12 @@ LLAMA3 = {
         ),  # the copied default: starts
     ],
 )
-def test_sglang_export_refused_exactly_when_sglang_refuses_the_draft_context(
+def test_sglang_draft_context_refused_exactly_when_sglang_refuses_the_exported_folder(
     tmp_path, mpe, rope, verifier
 ):
-    """Issue 26 item 4: our verdict (export refused / written) equals SGLang 0.5.23's own start-up check
-    on the folder; the vLLM export is written with a warning naming the key."""
+    """Issue 26 item 4: our verdict (04 refuses at its start for SGLang) equals SGLang 0.5.23's own start-up check
+    on the folder the export writes for that drafter; vLLM gets one warning line naming the key instead."""
+    from eagle3.engines.context import check_context_length, draft_context_length
     from eagle3.verifier.load import serving_context_length
 
     get_ctx = _sglang_fns()[0]
@@ -688,51 +689,48 @@ def test_sglang_export_refused_exactly_when_sglang_refuses_the_draft_context(
         SimpleNamespace(**{"rope_scaling": None, **verifier})
     )  # our rule == SGLang's
     d = _drafter_ctx(mpe, rope)
-    info = {**LLAMA30, "context_length": vctx}
-    sg = export_drafter(
-        d, tmp_path / "probe", "sglang", [2, 15, 27], LLAMA30
-    )  # no context known: not checked
-    sglang_ok = _sglang_starts(sg, {"rope_scaling": None, **verifier})
-    if sglang_ok:
-        export_drafter(d, tmp_path / "sg", "sglang", [2, 15, 27], info)
+    sg = export_drafter(d, tmp_path / "sg", "sglang", [2, 15, 27], LLAMA30)  # written as asked
+    draft = json.loads((sg / "config.json").read_text())
+    assert draft_context_length(mpe, rope) == get_ctx(SimpleNamespace(**draft))
+    if _sglang_starts(sg, {"rope_scaling": None, **verifier}):
+        assert check_context_length(mpe, rope, vctx, "sglang") is None
+        assert check_context_length(mpe, rope, vctx, "vllm") is None
     else:
         with pytest.raises(
             UserError,
-            match=rf"drafter.max_position_embeddings: {mpe} gives the draft a context length "
+            match=rf"^drafter.max_position_embeddings: {mpe} gives the draft a context length "
             r"of \d+ tokens, below the verifier's \d+: SGLang 0.5.23 refuses.*"
             r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1.*>= \d+",
-        ):
-            export_drafter(d, tmp_path / "sg", "sglang", [2, 15, 27], info)
-        assert not (tmp_path / "sg").exists()
-    export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], info)  # vLLM does not refuse
+        ) as e:
+            check_context_length(mpe, rope, vctx, "sglang")
+        assert "\n" not in str(e.value)
+        warning = check_context_length(mpe, rope, vctx, "vllm")
+        assert (
+            warning.startswith(f"drafter.max_position_embeddings: {mpe} gives")
+            and "vLLM caps" in warning
+        )
 
 
-def test_short_context_fix_hint_is_enough_and_export_only_applies_it(tmp_path, caplog):
-    """The '>= N' of the refusal makes SGLang start; 04 warns at the start of training."""
-    import logging
+def test_short_context_fix_hint_is_enough(tmp_path):
+    """The '>= N' of the refusal makes SGLang start the exported folder."""
     import re
 
-    d = _drafter_ctx(2048, {"rope_type": "linear", "factor": 2.0})
+    from eagle3.engines.context import check_context_length
+
+    linear = {"rope_type": "linear", "factor": 2.0}
     with pytest.raises(UserError) as e:
-        export_drafter(
-            d, tmp_path / "sg", "sglang", [2, 15, 27], {**LLAMA30, "context_length": 8192}
-        )
+        check_context_length(2048, linear, 8192, "sglang")
     need = int(re.search(r">= (\d+)", str(e.value)).group(1))
     assert need == 4096
-    ok = export_drafter(
-        _drafter_ctx(need, {"rope_type": "linear", "factor": 2.0}),
-        tmp_path / "sg",
-        "sglang",
-        [2, 15, 27],
-        {**LLAMA30, "context_length": 8192},
-    )
+    assert check_context_length(need, linear, 8192, "sglang") is None
+    ok = export_drafter(_drafter_ctx(need, linear), tmp_path / "sg", "sglang", [2, 15, 27], LLAMA30)
     assert _sglang_starts(ok, {"max_position_embeddings": 8192, "rope_scaling": None})
-    with caplog.at_level(logging.WARNING, logger="eagle3.engines.context"):
-        export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], {**LLAMA30, "context_length": 8192})
-    assert any(
-        "drafter.max_position_embeddings: 2048" in r.getMessage() and "vLLM caps" in r.getMessage()
-        for r in caplog.records
+    short = export_drafter(
+        _drafter_ctx(need - 1, linear), tmp_path / "short", "sglang", [2, 15, 27], LLAMA30
     )
+    assert not _sglang_starts(short, {"max_position_embeddings": 8192, "rope_scaling": None})
+    with pytest.raises(UserError, match=r"^export.engine: unknown engine 'tgi'"):
+        check_context_length(2048, None, 8192, "tgi")
 
 
 @pytest.mark.parametrize(
@@ -741,6 +739,11 @@ def test_short_context_fix_hint_is_enough_and_export_only_applies_it(tmp_path, c
         ("float32", "auto", torch.bfloat16),
         ("bfloat16", "auto", torch.bfloat16),
         ("float16", "auto", torch.float16),
+        (
+            "auto",
+            "auto",
+            torch.bfloat16,
+        ),  # verifier.dtype auto: bfloat16 on CUDA, the serving dtype
         (
             "float32",
             "float32",

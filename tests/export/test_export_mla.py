@@ -331,21 +331,6 @@ def test_sglang_serves_neox_rope_mla(tmp_path):
     assert json.loads((out / "config.json").read_text())["rope_interleave"] is False
 
 
-def test_config_time_check_refuses_only_what_the_config_fixes():
-    """What 04 checks at its start (eagle3/stages/train.py, before reading or writing anything): an MLA setting the
-    config fixes that the export engine cannot build; a null size is the verifier's, judged at the export."""
-    from eagle3.export.formats import check_config_serves
-
-    sizes = dict.fromkeys(MLA_FIELDS)
-    check_config_serves("vllm", "mla", sizes)  # all the verifier's: nothing known yet
-    check_config_serves("vllm", "llama", {**sizes, "rope_interleave": False})  # not an MLA drafter
-    with pytest.raises(
-        UserError, match=r"vllm cannot serve this MLA drafter: .*rope_interleave: true"
-    ):
-        check_config_serves("vllm", "mla", {**sizes, "rope_interleave": False})
-    check_config_serves("sglang", "mla", {**sizes, "rope_interleave": False})
-
-
 def test_warm_start_from_an_mla_export_checks_attention_not_the_derived_head_sizes(tmp_path):
     """``train.init_from`` an MLA export: the config's num_key_value_heads / head_dim do not shape an MLA layer (its
     sizes do), so they are not compared; a Llama-style run from it is refused naming drafter.attention."""
