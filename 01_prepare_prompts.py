@@ -23,8 +23,8 @@ import argparse
 
 from eagle3.cli import ArgumentParser, positive_float, positive_int, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
-from eagle3.config.prompts import SELF_INSTRUCT_BATCH
 from eagle3.data.readers import FORMATS
+from eagle3.settings.prompts import SELF_INSTRUCT_BATCH
 
 
 def main(argv=None):

@@ -60,7 +60,7 @@ log = logging.getLogger("offline_bench_speed")
 
 def _random_drafter(verifier, device, dtype, drafter_cfg=None):
     """An untrained drafter of the verifier's shape (identity draft vocab of min(32000, V) ids), with the run config's
-    ``drafter`` section applied when given (``drafter_cfg``: :class:`eagle3.config.drafter.DrafterConfig`; its non-null shape
+    ``drafter`` section applied when given (``drafter_cfg``: :class:`eagle3.settings.drafter.DrafterConfig`; its non-null shape
     fields, ``variant`` and ``num_layers``), so a speed figure is of the drafter the config trains: a second layer
     or a wider MLP costs draft time (lease 2026-12-04e: a second layer took the drafter's share of a batch-80 step from
     0.15 to 0.21)."""

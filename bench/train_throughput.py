@@ -12,7 +12,7 @@ What one timed step is (the same calls as ``eagle3.stages.train._run`` with ``gr
 3. ``clip_grad_norm_(params, grad_clip)``, ``AdamW.step()``,
    ``zero_grad(set_to_none=True)``, ``LambdaLR.step()`` (``eagle3.train.schedule.build_scheduler``),
    with ``lr``, ``weight_decay``, ``grad_clip``, ``step_weight`` and ``warmup_ratio`` at their
-   ``eagle3.config.train.TrainConfig`` defaults.
+   ``eagle3.settings.train.TrainConfig`` defaults.
 
 Inputs are synthetic random tensors of the training shapes: ``input_ids`` int64 ``[1, L]``,
 ``aux`` ``[1, L, 3Ht]`` and ``last`` ``[1, L, Ht]`` in the feature dtype train.py uses (bf16 under

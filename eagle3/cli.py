@@ -21,9 +21,9 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Optional
 
-from eagle3.config.types import check_http_url
 from eagle3.errors import UserError
 from eagle3.io import disk_full_error, is_disk_full
+from eagle3.settings.types import check_http_url
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -67,7 +67,7 @@ def positive_float(text: str) -> float:
 
 
 def http_url(text: str) -> str:
-    """argparse ``type=``: a server base URL (``http(s)://host[:port]``), see :func:`eagle3.config.types.check_http_url`."""
+    """argparse ``type=``: a server base URL (``http(s)://host[:port]``), see :func:`eagle3.settings.types.check_http_url`."""
     try:
         return check_http_url(text)
     except ValueError as e:

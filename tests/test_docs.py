@@ -191,7 +191,7 @@ def test_every_config_key_the_docs_name_exists():
             bad.append(f"{fn}:{i}: {key}")
     assert found > 300, found  # the docs name hundreds: a regex that finds none must not pass
     assert not bad, (
-        "keys named in the docs that eagle3/config/ (RunConfig) does not have:\n" + "\n".join(bad)
+        "keys named in the docs that eagle3/settings/ (RunConfig) does not have:\n" + "\n".join(bad)
     )
 
 
@@ -489,7 +489,7 @@ def test_every_default_the_docs_state_is_the_config_default():
     stated = list(documented_defaults())
     assert len(stated) >= 10, stated
     bad = [
-        f"{fn}:{i}: {key}: the docs say default {value!r}, eagle3/config/ has {default_of(key)!r}"
+        f"{fn}:{i}: {key}: the docs say default {value!r}, eagle3/settings/ has {default_of(key)!r}"
         for fn, i, key, value in stated
         if not default_matches(key, value)
     ]

@@ -3,9 +3,9 @@
 - ``eagle3/`` holds base modules at the top, concept packages (each one idea, taking plain arguments) and
   ``stages/`` (the five orchestrators). ``LEGACY`` lists the packages the redesign is emptying; none may be added.
 - A concept package or base module never imports ``eagle3.stages`` or ``eagle3.cli``.
-- ``RunConfig`` (``eagle3.config``, with its section models in ``eagle3.config.*``) is imported only by ``stages/``,
+- ``RunConfig`` (``eagle3.config``, with its section models in ``eagle3.settings.*``) is imported only by ``stages/``,
   ``cli.py``, ``eagle3.config`` itself and the modules still listed in ``KNOWN_CONFIG_USERS`` (which only shrinks).
-- A base module may be a package (``eagle3/config/``, ``eagle3/io/``): its submodules are part of that base module.
+- A base module may be a package (``eagle3/settings/``, ``eagle3/io/``): its submodules are part of that base module.
 - No import cycle between modules. Imports inside functions count: a lazy import is still an arrow.
 """
 
@@ -16,7 +16,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3"
-BASE = {"__init__", "config", "cli", "errors", "io", "layers", "manifest", "sdpa", "process_group"}
+BASE = {
+    "__init__",
+    "config",
+    "settings",
+    "cli",
+    "errors",
+    "io",
+    "layers",
+    "manifest",
+    "sdpa",
+    "process_group",
+}
 # the stage manifests are the contract between stages: they import only these eagle3 modules (and pydantic)
 MANIFEST_IMPORTS = {"eagle3.io", "eagle3.errors"}
 CONCEPTS = {
@@ -115,8 +126,9 @@ def test_no_library_module_imports_a_stage_or_the_cli():
 
 
 def is_config(mod: str) -> bool:
-    """``eagle3.config`` or one of its section / loader modules: importing any of them is using the run config."""
-    return mod == "eagle3.config" or mod.startswith("eagle3.config.")
+    """``eagle3.config`` or a section / loader module (``eagle3.settings``): importing any of them is using the run
+    config."""
+    return mod == "eagle3.config" or mod == "eagle3.settings" or mod.startswith("eagle3.settings.")
 
 
 def test_runconfig_stays_with_the_stages():

@@ -55,7 +55,7 @@ from eagle3.data.record_files import iter_file, iter_hf, iter_humaneval
 from eagle3.errors import UserError, validated
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
-"""``prompts.format`` values: :class:`eagle3.config.prompts.PromptsConfig`'s Literal, 01's ``--format`` choices."""
+"""``prompts.format`` values: :class:`eagle3.settings.prompts.PromptsConfig`'s Literal, 01's ``--format`` choices."""
 
 _SHAREGPT_ROLES = {
     "human": "user",

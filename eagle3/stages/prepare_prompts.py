@@ -17,7 +17,6 @@ from pydantic import ValidationError
 
 from eagle3.chat.template import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig
-from eagle3.config.loader import at_item, field_path
 from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
 from eagle3.process_group import Dist, is_rank0, process_group_scope
@@ -40,6 +39,7 @@ from eagle3.regen.report import (
 )
 from eagle3.regen.resume_log import PARTIAL_NAME, logged_answer_fields
 from eagle3.regen.selection import require_source_files, select_conversations
+from eagle3.settings.loader import at_item, field_path
 from eagle3.stages.prompts_manifest import (
     build_report,
     forced_path,

@@ -12,8 +12,8 @@ from typing import Sequence
 from eagle3.chat.template import ChatOptions
 from eagle3.cli import refuse_torchrun
 from eagle3.config import RunConfig
-from eagle3.config.prompts import SELF_INSTRUCT_BATCH
 from eagle3.regen import self_instruct as si
+from eagle3.settings.prompts import SELF_INSTRUCT_BATCH
 
 
 def make(

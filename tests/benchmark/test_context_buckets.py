@@ -12,11 +12,11 @@ import torch
 from conftest import needs_shared_data
 from pydantic import ValidationError
 
-from eagle3.config.benchmark import BenchmarkConfig
 from eagle3.data.context_prompts import build_context_prompts, capped_edges, context_set, load_pairs
 from eagle3.decoding.metrics import add_context_buckets, bucket_index, bucket_label, context_buckets
 from eagle3.decoding.report import context_lines
 from eagle3.errors import UserError
+from eagle3.settings.benchmark import BenchmarkConfig
 
 
 def test_bucket_index_and_labels_by_hand():

@@ -126,7 +126,7 @@ def test_processed_probs_temperature_and_top_p():
 def test_sampler_settings_and_their_config_bounds():
     from pydantic import ValidationError
 
-    from eagle3.config.benchmark import BenchmarkConfig
+    from eagle3.settings.benchmark import BenchmarkConfig
 
     assert sampling.make_sampler(0.0) is None
     s = sampling.make_sampler(0.7, 0.9, seed=3)

@@ -212,7 +212,7 @@ def test_a_section_an_override_created_blames_the_override_for_its_missing_key(t
 
 def test_key_lines_name_every_key_and_list_item():
     """The line map errors are placed by (duplicate keys never reach it: the loader refuses them)."""
-    from eagle3.config.loader import key_lines
+    from eagle3.settings.loader import key_lines
 
     assert key_lines("a: 1\nb:\n  c: 2\n  d: [1, 2]\n") == {
         ("a",): 1,
@@ -667,7 +667,7 @@ def test_a_top_level_output_dir_suggests_output_root(tmp_path):
 def test_yaml_booleans_are_pyyaml_s():
     """The config YAML is read as PyYAML reads YAML 1.1: yes / no / on / off / true / false (any of their cases) are
     booleans, the spec's single letters y / Y / n / N stay strings (a verifier folder named ``y``)."""
-    from eagle3.config.loader import parse_yaml
+    from eagle3.settings.loader import parse_yaml
 
     got = parse_yaml("a: y\nb: N\nc: yes\nd: Off\ne: TRUE\nf: no\ng: 'on'\nh: 1e-3\n")
     assert got == {

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import SMOLLM_GGUF
 
-from eagle3.config.verifier import VerifierConfig
 from eagle3.errors import UserError
+from eagle3.settings.verifier import VerifierConfig
 from eagle3.verifier.arch import text_config
 from eagle3.verifier.load import (
     _hf_kwargs,
@@ -211,7 +211,7 @@ def test_a_cuda_device_this_machine_lacks_is_one_line_not_a_traceback(
     """verifier.device: cuda on a machine without CUDA (a GPU config run on a CPU box): 02 read the verifier and then
     died in model.to() with `AssertionError: Torch not compiled with CUDA enabled` (fresh-user trial 2026-12-05f);
     `cuda:3` on a 2-GPU machine gave `invalid device ordinal`. Every stage resolves the device here: one line."""
-    from eagle3.config.verifier import VerifierConfig
+    from eagle3.settings.verifier import VerifierConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError) as e:

@@ -25,11 +25,11 @@ from test_reuse_answers import REGEN
 
 from eagle3.chat.template import ChatOptions, prompt_ids
 from eagle3.config import PromptsConfig
-from eagle3.config.prompts import RegenServerConfig
 from eagle3.errors import UserError
 from eagle3.regen.endpoints import EndpointPool, RetryPolicy
 from eagle3.regen.regen_server import regenerate_via_server
 from eagle3.regen.resume_log import ResumeLog
+from eagle3.settings.prompts import RegenServerConfig
 
 SETTINGS = REGEN  # 01's settings as its resume log header records them
 

@@ -145,8 +145,8 @@ def _answer_by(engine: str, v) -> dict:
     ):  # the endpoint path: a stand-in SGLang server decoding greedily with the same model
         from standin_server import ModelBackend, StandInServer
 
-        from eagle3.config.prompts import RegenServerConfig
         from eagle3.regen.regen_server import regenerate_via_server
+        from eagle3.settings.prompts import RegenServerConfig
 
         model, tok = load_verifier(vcfg, device="cpu")
         with StandInServer(ModelBackend(model, tok), tok) as srv:

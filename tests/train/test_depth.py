@@ -325,7 +325,7 @@ def test_args_config_and_checkpoint_plumbing():
     )  # old checkpoint (no field) vs explicit 1
     with pytest.raises(UserError, match="drafter field 'num_layers' is 1 in the checkpoint but 2"):
         check_drafter_args("ck.pt", a1, {**a1, "num_layers": 2})
-    from eagle3.config.drafter import DrafterConfig
+    from eagle3.settings.drafter import DrafterConfig
 
     assert DrafterConfig().num_layers == 1 and DrafterConfig(num_layers=3).num_layers == 3
     with pytest.raises(Exception):

@@ -6,7 +6,7 @@ from typing import Optional
 
 from pydantic import Field, StrictFloat, StrictInt
 
-from eagle3.config.types import Section, StrList
+from eagle3.settings.types import Section, StrList
 
 
 class DataConfig(Section):

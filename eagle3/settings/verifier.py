@@ -8,8 +8,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, StrictBool, field_validator
 
-from eagle3.config.types import Section
 from eagle3.errors import UserError
+from eagle3.settings.types import Section
 
 
 def package_dir(module: str, field: str = "package") -> Path:

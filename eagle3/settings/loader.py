@@ -20,9 +20,9 @@ from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import MantissaNoDotYAML1_1Warning, YAMLError
 from ruamel.yaml.resolver import VersionedResolver
 
-from eagle3.config.types import ItemError
 from eagle3.errors import UserError
 from eagle3.io.read import not_utf8_error
+from eagle3.settings.types import ItemError
 
 Loc = tuple[str, ...]
 

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, StrictFloat, StrictInt, field_validator
 
-from eagle3.config.types import Section, StrList, check_http_url, check_items
+from eagle3.settings.types import Section, StrList, check_http_url, check_items
 
 
 class BenchmarkConfig(Section):

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator
 
-from eagle3.config.types import ItemError, Section, StrOrList, check_http_url, check_items
+from eagle3.settings.types import ItemError, Section, StrOrList, check_http_url, check_items
 
 
 class ExtractConfig(Section):

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator
 
-from eagle3.config.types import OnOff, Section
+from eagle3.settings.types import OnOff, Section
 
 
 class TrainConfig(Section):

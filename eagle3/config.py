@@ -2,8 +2,8 @@
 
 Every stage reads the same file (``configs/*.yaml``). Relative paths are relative to the current
 working directory. A field left ``null`` takes the default documented next to it, often read off
-the verifier (e.g. the drafter's hidden size). Each section is its own model (``eagle3/config/<section>.py``);
-:mod:`eagle3.config.loader` reads the YAML and words its errors.
+the verifier (e.g. the drafter's hidden size). Each section is its own model (``eagle3/settings/<section>.py``);
+:mod:`eagle3.settings.loader` reads the YAML and words its errors.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from typing import Optional
 from pydantic import Field, ValidationError, field_validator
 from ruamel.yaml.error import YAMLError
 
-from eagle3.config.benchmark import BenchmarkConfig
-from eagle3.config.data import DataConfig
-from eagle3.config.drafter import DrafterConfig
-from eagle3.config.export import ExportConfig
-from eagle3.config.extract import ExtractConfig
-from eagle3.config.loader import (
+from eagle3.errors import UserError
+from eagle3.io.read import lone_surrogate_error, lone_surrogate_field
+from eagle3.settings.benchmark import BenchmarkConfig
+from eagle3.settings.data import DataConfig
+from eagle3.settings.drafter import DrafterConfig
+from eagle3.settings.export import ExportConfig
+from eagle3.settings.extract import ExtractConfig
+from eagle3.settings.loader import (
     apply_overrides,
     format_validation_error,
     key_lines,
@@ -29,12 +31,10 @@ from eagle3.config.loader import (
     read_config_text,
     yaml_error,
 )
-from eagle3.config.prompts import PromptsConfig
-from eagle3.config.train import TrainConfig
-from eagle3.config.types import Section
-from eagle3.config.verifier import VerifierConfig
-from eagle3.errors import UserError
-from eagle3.io.read import lone_surrogate_error, lone_surrogate_field
+from eagle3.settings.prompts import PromptsConfig
+from eagle3.settings.train import TrainConfig
+from eagle3.settings.types import Section
+from eagle3.settings.verifier import VerifierConfig
 
 
 class RunConfig(Section):
@@ -130,7 +130,7 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     Args:
         path: YAML file.
         overrides: ``section.key=value`` strings (value parsed as YAML,
-            :func:`eagle3.config.loader.apply_overrides`) applied before validation; errors caused by one name it
+            :func:`eagle3.settings.loader.apply_overrides`) applied before validation; errors caused by one name it
             (``--set train.lr=x: ...``).
 
     Raises:

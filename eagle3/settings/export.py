@@ -6,8 +6,8 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from eagle3.config.types import Section
 from eagle3.engines import Engine
+from eagle3.settings.types import Section
 
 
 class ExportConfig(Section):

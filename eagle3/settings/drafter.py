@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
-from eagle3.config.types import Section
+from eagle3.settings.types import Section
 
 
 class MLAConfig(Section):

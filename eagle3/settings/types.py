@@ -2,7 +2,7 @@
 
 Scalar fields use pydantic's strict types (``StrictInt``, ``StrictFloat``, ``StrictBool``): a YAML boolean is never
 a number, a quoted number never an integer, and a true/false field takes only a YAML boolean;
-:func:`eagle3.config.loader.format_validation_error` words their errors. The YAML is read as YAML 1.1 (unquoted
+:func:`eagle3.settings.loader.format_validation_error` words their errors. The YAML is read as YAML 1.1 (unquoted
 ``yes``/``no``/``on``/``off`` are booleans), so the ``auto|on|off`` fields take an unquoted ``on``/``off``.
 """
 
@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 class ItemError(ValueError):
     """A validator's refusal of one item of a list field: the error names the item (``field
     'benchmark.server_urls[1]': ...``, with the item's own YAML line and value), not the whole list
-    (:func:`eagle3.config.loader.at_item`)."""
+    (:func:`eagle3.settings.loader.at_item`)."""
 
     def __init__(self, index: int, item, message: str):
         super().__init__(message)

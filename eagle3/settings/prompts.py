@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator
 
-from eagle3.config.types import Section, StrList, StrOrList, check_http_url, check_items
+from eagle3.settings.types import Section, StrList, StrOrList, check_http_url, check_items
 
 
 class RegenServerConfig(Section):
