@@ -52,16 +52,8 @@ def deepseek_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
         "v_head_dim": m["v_head_dim"],
         "head_dim": m["qk_rope_head_dim"],
         "rope_interleave": m["rope_interleave"],
-        "hidden_act": "silu",
-        "rms_norm_eps": a.rms_norm_eps,
-        "rope_theta": a.rope_theta,
-        "rope_scaling": a.rope_scaling,
-        "max_position_embeddings": a.max_position_embeddings,
-        "vocab_size": a.target_vocab_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "torch_dtype": str(dtype).replace("torch.", ""),
-        "dtype": str(dtype).replace("torch.", ""),
+        **_shared_fields(a),
+        **_dtype_fields(dtype),
     }
 
 
@@ -76,6 +68,15 @@ def llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
         "num_key_value_heads": a.num_key_value_heads,
         "head_dim": a.head_dim,
         "num_hidden_layers": a.num_layers,
+        **_shared_fields(a),
+        "mlp_bias": False,
+        **_dtype_fields(dtype),
+    }
+
+
+def _shared_fields(a: DrafterArgs) -> dict:
+    """The fields both layer configs write alike: activation, norm eps, RoPE, context, verifier vocab, no biases."""
+    return {
         "hidden_act": "silu",
         "rms_norm_eps": a.rms_norm_eps,
         "rope_theta": a.rope_theta,
@@ -84,7 +85,10 @@ def llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
         "vocab_size": a.target_vocab_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).replace("torch.", ""),
-        "dtype": str(dtype).replace("torch.", ""),
     }
+
+
+def _dtype_fields(dtype: torch.dtype) -> dict:
+    """``torch_dtype`` (the key older transformers and the engines read) and ``dtype`` (transformers 5)."""
+    name = str(dtype).replace("torch.", "")
+    return {"torch_dtype": name, "dtype": name}
