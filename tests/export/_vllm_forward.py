@@ -1,16 +1,20 @@
-"""Records what vLLM's own MLA draft class computes while vLLM serves it: run in .venv-vllm (scripts/setup_vllm.sh)
-by tests/export/test_vllm_mla_forward.py; imports nothing of the project.
+"""Records what vLLM's own EAGLE-3 draft class computes while vLLM serves it: run in .venv-vllm (scripts/setup_vllm.sh)
+by tests/export/test_vllm_forward.py; imports nothing of the project.
 
-vLLM's offline engine (in-process engine core, fp32, greedy, ``method: eagle3``, the reference ``CPU_MLA`` attention
-backend for every MLA layer, block size 16) serves ``--draft`` beside ``--verifier`` on one prompt. Every call of
-``Eagle3DeepseekV2ForCausalLM.forward`` (loaded by vLLM's own ``load_weights``) is recorded: its ``input_ids`` /
-``positions`` / ``hidden_states`` inputs, its two outputs (the final-normed state and the state fed back to the next
-step), vLLM's ``compute_logits`` of the normed one, and the KV ``slot_mapping`` of the draft layer (-1: a padding
-token); every ``combine_hidden_states`` call: the aux states and the ``fc`` output. Saved as one safetensors file
-(``call{i}.*``, ``combine{i}.*``) and ``{out}.json`` (counts, the served tokens, the attention backend).
+vLLM's offline engine (in-process engine core, fp32, greedy, ``method: eagle3``) serves ``--draft`` beside
+``--verifier`` on one prompt. ``--arch llama``: the Llama-style draft class ``Eagle3LlamaForCausalLM`` on vLLM's
+default CPU attention (blocks of 32 tokens); ``--arch mla``: ``Eagle3DeepseekV2ForCausalLM`` with the reference
+``CPU_MLA`` backend (blocks of 16) for every MLA layer and vLLM's ``forward_native`` rotary (see
+:func:`cpu_rope_kernel_error`). Every call of the draft class's ``forward`` (loaded by vLLM's own ``load_weights``)
+is recorded: its ``input_ids`` / ``positions`` / ``hidden_states`` inputs, its two outputs (the final-normed state
+and the state fed back to the next step), vLLM's ``compute_logits`` of the normed one, and the KV ``slot_mapping``
+of the draft layer (-1: a padding token); every ``combine_hidden_states`` call: the aux states and the ``fc``
+output. Saved as one safetensors file (``call{i}.*``, ``combine{i}.*``) and ``{out}.json`` (counts, the served
+tokens, the attention backend).
 
-Usage: python _vllm_mla_forward.py --verifier DIR --draft DIR --prompt-ids 1 2 3 --max-tokens N --steps K
+Usage: python _vllm_forward.py --arch llama|mla --verifier DIR --draft DIR --prompt-ids 1 2 3 --max-tokens N --steps K
 --out FILE.safetensors
+
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def cpu_rope_kernel_error() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=("llama", "mla"), required=True)
     ap.add_argument("--verifier", required=True)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--prompt-ids", type=int, nargs="+", required=True)
@@ -68,7 +73,17 @@ def main() -> None:
     from vllm.forward_context import get_forward_context
     from vllm.inputs import TokensPrompt
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM as Draft
+
+    if a.arch == "mla":
+        from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM as Draft
+
+        def attention(model):
+            return model.model.layers[0].self_attn.mla_attn.mla_attn
+    else:
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM as Draft
+
+        def attention(model):
+            return model.model.layers[0].self_attn.attn
 
     calls: list[dict] = []
     combines: list[dict] = []
@@ -77,7 +92,7 @@ def main() -> None:
 
     def recording_forward(self, input_ids, positions, hidden_states, inputs_embeds=None):
         normed, fed_back = forward(self, input_ids, positions, hidden_states, inputs_embeds)
-        layer = self.model.layers[0].self_attn.mla_attn.mla_attn
+        layer = attention(self)
         slots = get_forward_context().slot_mapping
         slots = slots.get(layer.layer_name) if isinstance(slots, dict) else None
         if slots is None:  # the profiling / warm-up runs: no KV cache behind them
@@ -103,23 +118,29 @@ def main() -> None:
         return out
 
     Draft.forward, Draft.combine_hidden_states = recording_forward, recording_combine
-    rope_kernel_error = cpu_rope_kernel_error()
-    RotaryEmbedding.forward_cpu = RotaryEmbedding.forward_native
+    rope_kernel_error, backend, block = None, {}, 32
+    if a.arch == "mla":
+        rope_kernel_error, backend, block = (
+            cpu_rope_kernel_error(),
+            {"attention_backend": "CPU_MLA"},
+            16,
+        )
+        RotaryEmbedding.forward_cpu = RotaryEmbedding.forward_native
     llm = LLM(
         model=a.verifier,
         dtype="float32",
         max_model_len=512,
         max_num_seqs=1,
-        block_size=16,
+        block_size=block,
         enforce_eager=True,
         enable_prefix_caching=False,
-        attention_backend="CPU_MLA",
         seed=0,
+        **backend,
         speculative_config={
             "method": "eagle3",
             "model": a.draft,
             "num_speculative_tokens": a.steps,
-            "attention_backend": "CPU_MLA",
+            **backend,
         },
     )
     calls.clear()
