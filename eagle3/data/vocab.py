@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from pydantic import (
@@ -128,6 +128,14 @@ def _first(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
+class VocabMapFault(NamedTuple):
+    """What is wrong with a draft vocab map: the ``key`` at fault (``d2t``, ``t2d``, ``target_vocab_size``,
+    ``draft_vocab_size``) and ``what`` is wrong with it."""
+
+    key: str
+    what: str
+
+
 def check_vocab_map(
     d2t: object,
     t2d: object,
@@ -143,85 +151,85 @@ def check_vocab_map(
     ``draft_vocab_size`` when given (``draft_key`` and ``target_source`` name them in messages).
 
     Raises:
-        UserError: ``{where}: key 'd2t'|'t2d'|'draft_vocab_size'|'target_vocab_size': ...`` (absolute ids instead of
-        offsets are named as such).
+        UserError: ``{where}: key 'd2t'|'t2d'|'draft_vocab_size'|'target_vocab_size': ...``, the first
+        :func:`vocab_map_fault` (absolute ids instead of offsets are named as such).
     """
-    d2t, t2d = _checked_sizes(
-        d2t, t2d, where, target_vocab_size, draft_vocab_size, draft_key, target_source
-    )
-    _check_offsets(d2t, t2d, where)
+    fault = vocab_map_fault(d2t, t2d, target_vocab_size, draft_vocab_size, draft_key, target_source)
+    if fault is not None:
+        raise UserError(f"{where}: key '{fault.key}': {fault.what}")
 
 
-def _checked_sizes(
+def vocab_map_fault(
     d2t: object,
     t2d: object,
-    where: str,
-    target_vocab_size: int | None,
-    draft_vocab_size: int | None,
-    draft_key: str,
-    target_source: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Types, ranks and sizes of :func:`check_vocab_map`; returns ``(d2t, t2d)`` on the CPU."""
+    target_vocab_size: int | None = None,
+    draft_vocab_size: int | None = None,
+    draft_key: str = DRAFT_KEY,
+    target_source: str = "this verifier",
+) -> Optional[VocabMapFault]:
+    """The first fault of the pair ``(d2t, t2d)`` under :func:`check_vocab_map`'s contract, in order: types and
+    ranks, the sizes asked for, then the offsets (:func:`_offset_fault`); None for a valid map."""
     for key, x, dtype, what in (
         ("d2t", d2t, torch.int64, "int64 tensor of offsets"),
         ("t2d", t2d, torch.bool, "bool tensor"),
     ):
         if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() != 1:
             got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise UserError(f"{where}: key '{key}': expected a 1-D {what}, got {got}")
+            return VocabMapFault(key, f"expected a 1-D {what}, got {got}")
     d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
     dv, tv = int(d2t.numel()), int(t2d.numel())
     if target_vocab_size is not None and tv != int(target_vocab_size):
-        raise UserError(
-            f"{where}: key 'target_vocab_size': map built for a target vocab of {tv}, "
-            f"{target_source} has {target_vocab_size}"
+        return VocabMapFault(
+            "target_vocab_size",
+            f"map built for a target vocab of {tv}, {target_source} has {target_vocab_size}",
         )
     if draft_vocab_size is not None and dv != int(draft_vocab_size):
-        raise UserError(
-            f"{where}: key 'draft_vocab_size': the map has {dv} draft tokens but {draft_key} is "
-            f"{draft_vocab_size} (re-run 03_prepare_data.py with {draft_key}: {draft_vocab_size}, "
-            f"or set {draft_key} back to {dv})"
+        return VocabMapFault(
+            "draft_vocab_size",
+            f"the map has {dv} draft tokens but {draft_key} is {draft_vocab_size} (re-run "
+            f"03_prepare_data.py with {draft_key}: {draft_vocab_size}, or set {draft_key} back to {dv})",
         )
-    return d2t, t2d
+    return _offset_fault(d2t, t2d)
 
 
-def _check_offsets(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
-    """Consistency of :func:`check_vocab_map` (CPU tensors)."""
+def _offset_fault(d2t: torch.Tensor, t2d: torch.Tensor) -> Optional[VocabMapFault]:
+    """The first inconsistency of the CPU tensors ``d2t`` int64 ``[dV]`` and ``t2d`` bool ``[V]``, else None."""
     dv, tv = int(d2t.numel()), int(t2d.numel())
     if dv < 1 or dv > tv:
-        raise UserError(f"{where}: key 'd2t': {dv} draft ids for a target vocab of {tv}")
+        return VocabMapFault("d2t", f"{dv} draft ids for a target vocab of {tv}")
     tgt = torch.arange(dv, dtype=torch.int64) + d2t  # [draft_V] target id of each draft id
     marked = t2d.nonzero().flatten()  # [n] target ids t2d marks, ascending
     if dv > 1 and bool(d2t.any()) and marked.numel() == dv and torch.equal(d2t, marked):
-        raise UserError(
-            f"{where}: key 'd2t': holds absolute target ids; the format stores offsets "
-            "(d2t[i] = target_id - i)"
+        return VocabMapFault(
+            "d2t", "holds absolute target ids; the format stores offsets (d2t[i] = target_id - i)"
         )
     bad = (tgt < 0) | (tgt >= tv)  # [draft_V]
     if bool(bad.any()):
         i = _first(bad)
-        raise UserError(
-            f"{where}: key 'd2t': draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}"
+        return VocabMapFault(
+            "d2t", f"draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}"
         )
     down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]: target ids must strictly increase
     if bool(down.any()):
         i = _first(down)
         a, b = int(tgt[i]), int(tgt[i + 1])
-        fault = (
+        return VocabMapFault(
+            "d2t",
             f"draft ids {i} and {i + 1} both map to target id {a}"
             if a == b
             else f"draft ids must be sorted by target id, but draft id {i} maps to {a} and draft id "
-            f"{i + 1} to {b}"
+            f"{i + 1} to {b}",
         )
-        raise UserError(f"{where}: key 'd2t': {fault}")
     want = torch.zeros(tv, dtype=torch.bool)  # [target_V]
     want[tgt] = True
     if not torch.equal(want, t2d):
         k = _first(want != t2d)
-        raise UserError(
-            f"{where}: key 't2d': marks {int(t2d.sum())} target ids, d2t describes {dv}; "
-            f"they differ first at target id {k} (t2d {bool(t2d[k])}, d2t {bool(want[k])})"
+        return VocabMapFault(
+            "t2d",
+            f"marks {int(t2d.sum())} target ids, d2t describes {dv}; "
+            f"they differ first at target id {k} (t2d {bool(t2d[k])}, d2t {bool(want[k])})",
         )
+    return None
 
 
 class VocabMapFile(BaseModel):
