@@ -5,12 +5,11 @@ record yielded with where it came from (``file:line``, ``file:[index]``), for :m
 from __future__ import annotations
 
 import gzip
-import json
 from pathlib import Path
 from typing import Iterator
 
 from eagle3.errors import UserError
-from eagle3.io.read import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
+from eagle3.io.read import check_no_lone_surrogate, iter_jsonl, not_utf8_error, parse_json
 
 
 def open_text(path: Path):
@@ -33,10 +32,7 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
         elif name.endswith(".json"):
             with open_text(path) as f:
                 text = f.read()
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+            data = parse_json(text, path)
             if isinstance(data, dict):
                 data = [data]
             if not isinstance(data, list):

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from eagle3.errors import UserError
 from eagle3.io.lock import exclusive_lock
-from eagle3.io.read import file_not_found, json_error_detail, not_utf8_error
+from eagle3.io.read import file_not_found, not_utf8_error, parse_json
 
 TMP_MARK = ".tmp-"
 #: errno values that mean "no room to write": disk full, quota exceeded.
@@ -493,9 +493,7 @@ def read_json(path: str | os.PathLike) -> Any:
     if not path.is_file():
         raise file_not_found(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+        return parse_json(path.read_text(encoding="utf-8"), path)
     except UnicodeDecodeError as e:
         raise not_utf8_error(path, e) from e
 

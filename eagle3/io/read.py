@@ -20,10 +20,19 @@ if TYPE_CHECKING:
     import torch
 
 
-def json_error_detail(e: json.JSONDecodeError) -> str:
-    """``e``'s message with its column: ``json.JSONDecodeError.msg`` alone ends in "at" for some errors
-    ("Invalid control character at"), its position being kept apart (``colno``, 1-based)."""
-    return f"{e.msg} (column {e.colno})"
+def parse_json(text: str, path: str | os.PathLike, line: Optional[int] = None) -> Any:
+    """``json.loads(text)``, ``text`` being the content of the file ``path``, or its line ``line`` (a JSONL record).
+
+    Raises:
+        UserError: ``<path>:<line>: malformed JSON: <what> (column N)``, the error's own line when ``line`` is
+            None; the column is given apart because ``json.JSONDecodeError.msg`` alone ends in "at" for some
+            errors ("Invalid control character at").
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        at = e.lineno if line is None else line
+        raise UserError(f"{path}:{at}: malformed JSON: {e.msg} (column {e.colno})") from e
 
 
 # A file a later stage reads -> the stage that writes it, so that running a stage too early says what to run
@@ -182,12 +191,8 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
-                    rec = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as e:
-                    raise UserError(
-                        f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}"
-                    ) from e
+                # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
+                rec = parse_json(line.rstrip("\r\n"), path, lineno)
                 check_no_lone_surrogate(line, rec, f"{path}:{lineno}")
                 yield lineno, rec
     except UnicodeDecodeError as e:
