@@ -36,7 +36,7 @@ from pydantic import (
 from eagle3.data.readers import Text, unique_ids, with_record_system
 from eagle3.data.record_files import iter_humaneval
 from eagle3.errors import UserError, validated
-from eagle3.io.read import iter_jsonl
+from eagle3.io.read import iter_jsonl, require_file
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,11 @@ def shared_data_dir() -> Path:
 
 def shared_file(rel: str, what: str = "evaluation file") -> Path:
     """``rel`` in the shared data folder (:func:`shared_data_dir`); a missing one is a UserError naming ``what``."""
-    path = shared_data_dir() / rel
-    if not path.is_file():
-        raise UserError(
-            f"{path}: {what} not found (set EAGLE3_SHARED_DATA to the shared data folder holding {rel})"
-        )
-    return path
+    return require_file(
+        shared_data_dir() / rel,
+        what,
+        f"set EAGLE3_SHARED_DATA to the shared data folder holding {rel}",
+    )
 
 
 def _user(text: str) -> list[dict]:
@@ -153,11 +152,7 @@ def load_prompt_file(
     Raises:
         UserError: missing or empty file, malformed JSON, or a row its model refuses (``file:line: field ...``).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(
-            f"{path}: prompt file not found (expected mtbench, humaneval, gsm8k or a JSONL path)"
-        )
+    path = require_file(path, "prompt file", "expected mtbench, humaneval, gsm8k or a JSONL path")
     out = []
     for lineno, row in _read_jsonl(path):
         where = f"{path}:{lineno}"

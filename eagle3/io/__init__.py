@@ -19,7 +19,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from eagle3.errors import UserError
 from eagle3.io.lock import exclusive_lock
-from eagle3.io.read import file_not_found, not_utf8_error, parse_json
+from eagle3.io.read import file_not_found as file_not_found  # re-exported (eagle3.verifier.head)
+from eagle3.io.read import not_utf8_error, parse_json, require_file
 
 TMP_MARK = ".tmp-"
 #: errno values that mean "no room to write": disk full, quota exceeded.
@@ -489,9 +490,7 @@ def write_json_and_markdown(path: str | os.PathLike, obj: Any, markdown: str) ->
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON or bytes that are not UTF-8
     (:func:`not_utf8_error`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise file_not_found(path)
+    path = require_file(path)
     try:
         return parse_json(path.read_text(encoding="utf-8"), path)
     except UnicodeDecodeError as e:

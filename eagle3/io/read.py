@@ -48,16 +48,32 @@ WRITTEN_BY = {
 }
 
 
-def file_not_found(path: str | os.PathLike) -> UserError:
-    """``<path>: file not found``, plus ``(02_extract_hidden.py writes it: run that stage first)`` when
-    ``path`` is a file a stage writes (:data:`WRITTEN_BY`, by file name), and for a relative path the folder it was
-    looked for from (:func:`relative_hint`)."""
+def file_not_found(
+    path: str | os.PathLike, what: str = "file", advice: Optional[str] = None
+) -> UserError:
+    """``<path>: <what> not found (<advice>)``. Without ``advice`` the note in brackets is
+    ``02_extract_hidden.py writes it: run that stage first`` when ``path`` is a file a stage writes (:data:`WRITTEN_BY`,
+    by file name), and for a relative path the folder it was looked for from (:func:`relative_hint`); none when
+    neither applies."""
     path = Path(path)
-    stage = WRITTEN_BY.get(path.name)
-    notes = ([f"{stage} writes it: run that stage first"] if stage else []) + (
-        [relative_hint(path)] if relative_hint(path) else []
-    )
-    return UserError(f"{path}: file not found" + (f" ({'; '.join(notes)})" if notes else ""))
+    if advice is None:
+        stage = WRITTEN_BY.get(path.name)
+        notes = [f"{stage} writes it: run that stage first"] if stage else []
+        advice = "; ".join(notes + ([relative_hint(path)] if relative_hint(path) else []))
+    return UserError(f"{path}: {what} not found" + (f" ({advice})" if advice else ""))
+
+
+def require_file(path: str | os.PathLike, what: str = "file", advice: Optional[str] = None) -> Path:
+    """``path`` as a ``Path`` when it names an existing file, else the refusal :func:`file_not_found`
+    ``(path, what, advice)`` (a folder is not a file).
+
+    Raises:
+        UserError: ``<path>: <what> not found (<advice>)``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise file_not_found(path, what, advice)
+    return path
 
 
 def relative_hint(path: str | os.PathLike) -> str:
@@ -77,9 +93,7 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
         UserError: the file is missing, truncated/corrupt, or holds objects that the
             weights-only unpickler refuses (e.g. a pickle crafted to run code).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise file_not_found(path)
+    path = require_file(path)
     try:
         if not zipfile.is_zipfile(path):  # torch.save writes a zip archive since torch 1.6
             raise zipfile.BadZipFile("not a complete zip archive, or not a torch file at all")

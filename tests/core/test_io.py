@@ -234,3 +234,32 @@ def test_the_lone_surrogate_refusal_reads_the_same_for_a_file_and_the_config(tmp
     with pytest.raises(UserError) as ei:
         load_config(yml)
     assert str(ei.value) == f"{yml}:4: field 'prompts.source[1]' {tail}"
+
+
+def test_a_missing_input_file_is_refused_by_require_file_with_the_readers_words(
+    tmp_path, monkeypatch
+):
+    """``eagle3.io.read.require_file`` owns "not found": read_json / safe_torch_load name the stage that writes the
+    file, the benchmark's prompt files and the shared data folder name their own fix; a folder is not a file."""
+    from eagle3.data.eval_prompts import load_prompt_file, shared_file
+    from eagle3.io import read_json
+    from eagle3.io.read import safe_torch_load
+
+    for reader in (read_json, safe_torch_load):
+        with pytest.raises(UserError) as ei:
+            reader(tmp_path / "vocab_map.pt")
+        assert str(ei.value) == (
+            f"{tmp_path / 'vocab_map.pt'}: file not found (03_prepare_data.py writes it: run that stage first)"
+        )
+    with pytest.raises(UserError) as ei:
+        load_prompt_file(tmp_path)
+    assert str(ei.value) == (
+        f"{tmp_path}: prompt file not found (expected mtbench, humaneval, gsm8k or a JSONL path)"
+    )
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(tmp_path))
+    with pytest.raises(UserError) as ei:
+        shared_file("eval/gsm8k_test.jsonl", "the long-context source")
+    assert str(ei.value) == (
+        f"{tmp_path / 'eval/gsm8k_test.jsonl'}: the long-context source not found (set EAGLE3_SHARED_DATA to "
+        "the shared data folder holding eval/gsm8k_test.jsonl)"
+    )
