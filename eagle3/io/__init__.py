@@ -140,8 +140,19 @@ def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path
     """
     path = Path(path)
     missing = [p for p in (path, *path.parents) if not p.exists()]
-    try:
+    with _folder_refusal(path, field, "create"):
         path.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+@contextlib.contextmanager
+def _folder_refusal(path: Path, field: Optional[str], action: str) -> Iterator[None]:
+    """An ``OSError`` in the block, which makes the folder ``path`` (``action`` "create") or a file in it ("write
+    to"), as one line: disk full (:func:`disk_full_error`), else ``<field>: cannot <action> the output folder <path>:
+    <why>`` (without ``field``: ``<path>: cannot <action> the folder: <why>``); ``why`` names a file standing where
+    ``path`` or a parent folder should be, else it is the OS's reason."""
+    try:
+        yield
     except OSError as e:
         if is_disk_full(e):
             raise disk_full_error(path, e) from e
@@ -150,11 +161,10 @@ def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path
             f"{blocker} is a file, not a folder" if blocker is not None else (e.strerror or str(e))
         )
         raise UserError(
-            f"{field}: cannot create the output folder {path}: {why}"
+            f"{field}: cannot {action} the output folder {path}: {why}"
             if field
-            else f"{path}: cannot create the folder: {why}"
+            else f"{path}: cannot {action} the folder: {why}"
         ) from e
-    return missing
 
 
 def probe_dirs(path: str | os.PathLike, field: Optional[str] = None) -> None:
@@ -175,17 +185,8 @@ def probe_dirs(path: str | os.PathLike, field: Optional[str] = None) -> None:
 def _probe_write(path: Path, field: Optional[str]) -> None:
     """Create and remove an empty file in the folder ``path`` (:func:`probe_dirs`); its name carries ``TMP_MARK``,
     so a run killed in between leaves a file :func:`remove_stale_tmp` recognises."""
-    try:
+    with _folder_refusal(path, field, "write to"):
         fd, tmp = tempfile.mkstemp(prefix=".write-probe" + TMP_MARK, dir=path)
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full_error(path, e) from e
-        why = e.strerror or str(e)
-        raise UserError(
-            f"{field}: cannot write to the output folder {path}: {why}"
-            if field
-            else f"{path}: cannot write to the folder: {why}"
-        ) from e
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(tmp)
