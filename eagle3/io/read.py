@@ -100,14 +100,22 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
         import torch  # on use: the config imports this module before a stage's heavy imports
 
         return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        zipfile.BadZipFile,
+        ValueError,
+        OSError,
+    ) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"{path}: refused by the weights-only loader (unsafe or foreign pickle): {first}"
-        ) from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: truncated or corrupt torch file: {first[:160]}") from e
+        unsafe = isinstance(e, pickle.UnpicklingError)  # its line whole: it names what was refused
+        why = (
+            "refused by the weights-only loader (unsafe or foreign pickle)"
+            if unsafe
+            else "truncated or corrupt torch file"
+        )
+        raise UserError(f"{path}: {why}: {first if unsafe else first[:160]}") from e
 
 
 def not_utf8_error(path: str | os.PathLike, exc: UnicodeDecodeError) -> UserError:
