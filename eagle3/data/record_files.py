@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from eagle3.errors import UserError
 from eagle3.io.read import check_no_lone_surrogate, iter_jsonl, not_utf8_error, parse_json
@@ -20,16 +20,20 @@ def open_text(path: Path):
 
 
 def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
-    """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array)."""
-    if not path.is_file():
-        what = "a folder, not a prompts file (name the .json/.jsonl file inside it)"
-        raise UserError(f"{path}: {what if path.is_dir() else 'prompts file not found'}")
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array).
+
+    Raises:
+        UserError: ``path`` is no prompts file (:func:`_unreadable`), malformed JSON, a JSON file that holds neither
+            an array nor one record, not UTF-8 or a lone surrogate (:mod:`eagle3.io.read`), a read error.
+    """
+    why = _unreadable(path)
+    if why is not None:
+        raise UserError(f"{path}: {why}")
     try:
-        if name.endswith(".jsonl"):
+        if _name(path).endswith(".jsonl"):
             for lineno, rec in iter_jsonl(path):
                 yield f"{path}:{lineno}", rec
-        elif name.endswith(".json"):
+        else:
             with open_text(path) as f:
                 text = f.read()
             data = parse_json(text, path)
@@ -42,14 +46,27 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
             for i, rec in enumerate(data):
                 check_no_lone_surrogate(text, rec, f"{path}:[{i}]")
                 yield f"{path}:[{i}]", rec
-        else:
-            raise UserError(
-                f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)"
-            )
     except UnicodeDecodeError as e:  # file:line: not UTF-8 text: byte 0xff at column N
         raise not_utf8_error(path, e) from e
     except (OSError, EOFError) as e:
         raise UserError(f"{path}: cannot read: {e}") from e
+
+
+def _name(path: Path) -> str:
+    """``path``'s file name without a ``.gz`` suffix."""
+    return path.name[:-3] if path.name.endswith(".gz") else path.name
+
+
+def _unreadable(path: Path) -> Optional[str]:
+    """Why ``path`` is no prompts file :func:`iter_file` reads (a folder, a missing file, a suffix other than
+    ``.json`` / ``.jsonl``, each optionally ``.gz``), else None."""
+    if path.is_dir():
+        return "a folder, not a prompts file (name the .json/.jsonl file inside it)"
+    if not path.is_file():
+        return "prompts file not found"
+    if not _name(path).endswith((".json", ".jsonl")):
+        return "unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)"
+    return None
 
 
 def iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:

@@ -1446,3 +1446,21 @@ def test_sharegpt_turns_read_role_and_content_aliases(tmp_path):
         [{"conversations": [{"role": "user", "content": "q"}, {"from": "gpt", "value": "a"}]}],
     )
     assert read_conversations(f)[0]["messages"] == [U("q"), A("a")]
+
+
+def test_a_path_that_is_no_prompts_file_is_refused_in_one_line(tmp_path):
+    """``iter_file``'s refusals of the path itself: a folder, a missing file, a suffix it does not read."""
+    from eagle3.data.record_files import iter_file
+
+    (tmp_path / "notes.txt").write_text("{}")
+    for path, why in (
+        (tmp_path, "a folder, not a prompts file (name the .json/.jsonl file inside it)"),
+        (tmp_path / "gone.jsonl", "prompts file not found"),
+        (
+            tmp_path / "notes.txt",
+            "unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)",
+        ),
+    ):
+        with pytest.raises(UserError) as ei:
+            list(iter_file(path))
+        assert str(ei.value) == f"{path}: {why}"
