@@ -131,16 +131,25 @@ class EvalRow(BaseModel):
         return out
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
+    """The ``(line, row)`` pairs of the JSONL prompt file ``path`` (:func:`eagle3.io.read.iter_jsonl`), at least one.
+
+    Raises:
+        UserError: ``<path>: <why>``: the file is a pretty-printed JSON array (its line 1 alone would read as
+            "malformed JSON"; a byte-order mark is skipped), or it holds no row.
+    """
     with open(path, "rb") as f:
-        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # a byte-order mark is skipped
-    if head.startswith(
-        b"["
-    ):  # a pretty-printed JSON array: its line 1 alone would read as "malformed JSON"
-        raise UserError(
-            f"{path}: expected JSONL (one JSON object per line); this file is a JSON array"
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+    array = head.startswith(b"[")
+    rows = [] if array else list(iter_jsonl(path))
+    if not rows:
+        why = (
+            "expected JSONL (one JSON object per line); this file is a JSON array"
+            if array
+            else "no prompts in file"
         )
-    return list(iter_jsonl(path))
+        raise UserError(f"{path}: {why}")
+    return rows
 
 
 def load_prompt_file(
@@ -154,7 +163,7 @@ def load_prompt_file(
     """
     path = require_file(path, "prompt file", "expected mtbench, humaneval, gsm8k or a JSONL path")
     out = []
-    for lineno, row in _read_jsonl(path):
+    for lineno, row in _jsonl_rows(path):
         where = f"{path}:{lineno}"
         if isinstance(row, dict):  # a null key is an absent one (pandas' to_json)
             row = {k: v for k, v in row.items() if v is not None}
@@ -167,8 +176,6 @@ def load_prompt_file(
         )
         if num_prompts is not None and len(out) >= num_prompts:
             break
-    if not out:
-        raise UserError(f"{path}: no prompts in file")
     _unique_prompt_ids(out, path)
     return out
 

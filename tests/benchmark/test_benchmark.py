@@ -1304,6 +1304,16 @@ def test_json_array_prompt_file_is_named_as_such(tmp_path):
         load_prompt_file(arr)
 
 
+def test_prompt_file_without_a_row_is_refused(tmp_path):
+    """An empty prompt file, or one of blank lines only, holds no prompt: one line naming the file."""
+    f = tmp_path / "empty.jsonl"
+    for text in ("", "\n  \n\n"):
+        f.write_text(text)
+        with pytest.raises(UserError) as e:
+            load_prompt_file(f)
+        assert str(e.value) == f"{f}: no prompts in file"
+
+
 def test_drafter_of_another_verifier_is_named_before_its_aux_layers(run_setup, tmp_path):
     """A drafter exported for another verifier (30 layers, aux [2, 15, 27]) benchmarked with the tiny one: the
     error names the verifier mismatch first, then the aux-layer symptom."""
