@@ -127,9 +127,7 @@ def _convert(
 ) -> dict:
     """:func:`convert` under ``dst``'s lock."""
     t0 = time.perf_counter()
-    samples = list_samples(src)
-    if not samples:  # before anything in dst is deleted
-        raise UserError(f"{src}: no shards found")
+    samples = list_samples(src, at_least_one=True)  # before anything in dst is deleted
     _claim(src, dst, meta, storage, overwrite)
     job = _Job(src, dst, meta, storage)
     man_path = dst / MANIFEST

@@ -48,15 +48,30 @@ def shard_path(root: str | os.PathLike, idx: int, rows_per_dir: int) -> Path:
     return Path(root) / f"rows_{start}-{start + rows_per_dir}" / f"data_{idx}.pt"
 
 
-def list_samples(root: str | os.PathLike) -> list[tuple[int, Path]]:
+def list_samples(root: str | os.PathLike, at_least_one: bool = False) -> list[tuple[int, Path]]:
     """Finished samples under ``root`` (nested, flat or mixed layout) as ``(idx, path)`` sorted by idx.
 
+    Args:
+        at_least_one: a shard set with no sample is refused (a stage that reads or converts every sample).
+
     Raises:
-        UserError: ``root`` is not a folder, or an idx is stored twice.
+        UserError: ``<root>: shards folder not found`` (not a folder), ``<root>: no shards found`` (none while
+            ``at_least_one``), or an idx stored twice.
     """
     root = Path(root)
-    if not root.is_dir():
-        raise UserError(f"{root}: shards folder not found")
+    is_dir = root.is_dir()
+    found = _samples_in(root) if is_dir else {}
+    if not is_dir or (at_least_one and not found):
+        raise UserError(f"{root}: {'no shards found' if is_dir else 'shards folder not found'}")
+    return sorted(found.items())
+
+
+def _samples_in(root: Path) -> dict[int, Path]:
+    """``{idx: path}`` of the finished samples in the folder ``root`` and its ``rows_*`` folders (:func:`list_samples`).
+
+    Raises:
+        UserError: an idx stored twice.
+    """
     found: dict[int, Path] = {}
 
     def visit(folder: Path) -> None:
@@ -75,7 +90,7 @@ def list_samples(root: str | os.PathLike) -> list[tuple[int, Path]]:
     for entry in os.scandir(root):
         if entry.is_dir() and _ROWS_RE.match(entry.name):
             visit(Path(entry.path))
-    return sorted(found.items())
+    return found
 
 
 def all_finite(t: torch.Tensor) -> bool:

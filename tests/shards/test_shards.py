@@ -301,3 +301,15 @@ def test_manifest_append_torn_tail_and_corruption(tmp_path):
     )
     with pytest.raises(UserError, match="manifest.jsonl:2: malformed manifest line"):
         read_manifest(path)
+
+
+def test_list_samples_refuses_a_missing_folder_and_with_at_least_one_an_empty_set(tmp_path):
+    """``list_samples`` owns "is there a shard set": no folder, or (``at_least_one``) a folder with no sample."""
+    with pytest.raises(UserError) as ei:
+        list_samples(tmp_path / "gone")
+    assert str(ei.value) == f"{tmp_path / 'gone'}: shards folder not found"
+    (tmp_path / "rows_0-10").mkdir()
+    assert list_samples(tmp_path) == []
+    with pytest.raises(UserError) as ei:
+        list_samples(tmp_path, at_least_one=True)
+    assert str(ei.value) == f"{tmp_path}: no shards found"
