@@ -92,6 +92,17 @@ class Dist:
         dist.all_gather_object(out, obj, group=self.ctrl_group)
         return out
 
+    def agree(self, mine: Any, refusal: Callable[[int, Any, Any], str]) -> None:
+        """Refuse a job whose ranks hold different ``mine`` (the settings each read, a decision each made): every
+        rank raises ``UserError(refusal(r, rank 0's, rank r's))`` for the first rank ``r`` whose value differs from
+        rank 0's. The gather doubles as a barrier; nothing to compare in a world of 1."""
+        if self.world <= 1:
+            return
+        everyone = self.all_gather(mine)
+        r = next((r for r, theirs in enumerate(everyone) if theirs != everyone[0]), None)
+        if r is not None:
+            raise UserError(refusal(r, everyone[0], everyone[r]))
+
     def on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on rank 0 only and hand its result to every rank.
 
