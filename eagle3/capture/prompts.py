@@ -70,6 +70,14 @@ class PromptRecord(BaseModel):
 PROMPTS_FIX = "the prompts file is 01_prepare_prompts.py's output: re-run it or mend the record"
 
 
+def require_prompts_file(path: str | os.PathLike, fix: str, *, folder_ok: bool = False) -> None:
+    """Refuse a prompts file that is not there (``folder_ok``: a folder passes, its reader names it):
+    ``<path>: prompts file not found (<fix>[; <where relative paths are read from>])``, ``path`` as given."""
+    if not (Path(path).exists() if folder_ok else Path(path).is_file()):
+        hint = relative_hint(path)
+        raise UserError(f"{path}: prompts file not found ({fix}{'; ' + hint if hint else ''})")
+
+
 def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[dict]:
     """The first ``limit`` (None: all) records of the 01 prompts file, each validated as :class:`PromptRecord` and
     returned as read, plus its ``line``.
@@ -78,12 +86,7 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
         UserError: missing or empty file, malformed JSON, a record its model refuses (``file:line: field ...``).
     """
     path = Path(path)
-    if not path.is_file():
-        hint = relative_hint(path)
-        raise UserError(
-            f"{path}: prompts file not found (run 01_prepare_prompts.py first"
-            + (f"; {hint})" if hint else ")")
-        )
+    require_prompts_file(path, "run 01_prepare_prompts.py first")
     out: list[dict] = []
     for n, rec in iter_jsonl(path):
         if limit is not None and len(out) >= limit:
