@@ -428,6 +428,24 @@ def test_cli_exit_code_on_bad_input(tmp_path, tiny_llama_dir, capsys):
     assert not list((tmp_path / "out" / "shards").rglob("*.pt"))
 
 
+def test_backend_sglang_names_each_missing_field(tmp_path, tiny_llama_dir):
+    from eagle3.capture.backends import make_backend
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    ex = cfg.extract.model_copy(update={"backend": "sglang"})
+    with pytest.raises(UserError) as e:
+        make_backend(cfg.verifier, ex)
+    assert str(e.value) == (
+        "extract.sglang_url: required for backend sglang (or pass --server URL [URL ...])"
+    )
+    ex = ex.model_copy(update={"sglang_url": "http://127.0.0.1:9"})
+    with pytest.raises(UserError) as e:
+        make_backend(cfg.verifier, ex)
+    assert str(e.value) == (
+        "extract.capture_dir: required for backend sglang (where the patched server writes tensors)"
+    )
+
+
 def test_concurrent_run_refused(tmp_path, tiny_llama_dir):
     import fcntl
 
