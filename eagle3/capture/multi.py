@@ -25,6 +25,7 @@ import torch
 from eagle3.capture.base import BackendInfo
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.errors import UserError
+from eagle3.process_group import require_agreement
 from eagle3.regen.endpoints import EndpointPool
 
 log = logging.getLogger(__name__)
@@ -100,16 +101,21 @@ class MultiServerCapture:
         """
         first = self.servers[0].info()
         self.aux_layers = self.servers[0].aux_layers
-        for s in self.servers[1:]:
-            if s.aux_layers is None:
+
+        def served(s: SGLangCapture) -> tuple[BackendInfo, list[int]]:
+            if s.aux_layers is None:  # the others are checked against the first's layers
                 s.aux_layers = list(self.aux_layers)
-            got = s.info()
-            if got != first or s.aux_layers != self.aux_layers:
-                raise UserError(
-                    f"{WHAT} {s.url}: serves {dict(got, aux_layers=s.aux_layers)} but {self.servers[0].url} "
-                    f"serves {dict(first, aux_layers=self.aux_layers)}; every capture server must run "
-                    "the same verifier with the same flags"
-                )
+            return s.info(), s.aux_layers
+
+        def refusal(i: int, first: tuple, got: tuple) -> str:
+            return (
+                f"{WHAT} {self.servers[i].url}: serves {dict(got[0], aux_layers=got[1])} but "
+                f"{self.servers[0].url} serves {dict(first[0], aux_layers=first[1])}; every capture "
+                "server must run the same verifier with the same flags"
+            )
+
+        # one server after the other: the first that differs stops the check
+        require_agreement((served(s) for s in self.servers), refusal)
         return first
 
     def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
