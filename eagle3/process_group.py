@@ -22,7 +22,7 @@ import datetime
 import gc
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,13 @@ class Dist:
         dist.all_gather_object(out, obj, group=self.ctrl_group)
         return out
 
+    def agree(self, mine: Any, refusal: Callable[[int, Any, Any], str]) -> None:
+        """Refuse a job whose ranks hold different ``mine`` (the settings each read, a decision each made): every
+        rank raises ``UserError(refusal(r, rank 0's, rank r's))`` for the first rank ``r`` whose value differs from
+        rank 0's. The gather doubles as a barrier; nothing to compare in a world of 1."""
+        if self.world > 1:
+            require_agreement(self.all_gather(mine), refusal)
+
     def on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on rank 0 only and hand its result to every rank.
 
@@ -119,6 +126,17 @@ class Dist:
                 raise UserError(err[1])
             raise RuntimeError(f"{self.job} failed on rank 0: {err[1]}")
         return res
+
+
+def require_agreement(values: Iterable[Any], refusal: Callable[[int, Any, Any], str]) -> None:
+    """Refuse replicas (torchrun ranks, capture servers) that do not all hold the first one's value:
+    ``UserError(refusal(i, the first's, the i-th's))`` for the first ``i`` whose value differs. ``values`` is read in
+    order and no further than that one (a generator asks the replicas one by one)."""
+    it = iter(values)
+    first = next(it)
+    for i, theirs in enumerate(it, 1):
+        if theirs != first:
+            raise UserError(refusal(i, first, theirs))
 
 
 def torchrun_env() -> tuple[int, int, int]:

@@ -9,6 +9,12 @@ from eagle3.capture.multi import sglang_backend
 from eagle3.engines.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.errors import UserError
 
+#: The ``extract`` fields backend sglang cannot run without, in the order they are checked, and what each is for.
+SGLANG_REQUIRED = {
+    "sglang_url": "or pass --server URL [URL ...]",
+    "capture_dir": "where the patched server writes tensors",
+}
+
 
 def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
     """``(backend, tokenizer)`` for ``extract.backend``: ``hf`` loads the verifier in-process,
@@ -33,14 +39,9 @@ def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
         layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         return HFCapture(model, layers, batch_tokens=ex.batch_tokens, pad_id=pad), tok
-    if not ex.sglang_url:
-        raise UserError(
-            "extract.sglang_url: required for backend sglang (or pass --server URL [URL ...])"
-        )
-    if not ex.capture_dir:
-        raise UserError(
-            "extract.capture_dir: required for backend sglang (where the patched server writes tensors)"
-        )
+    for key, why in SGLANG_REQUIRED.items():
+        if not getattr(ex, key):
+            raise UserError(f"extract.{key}: required for backend sglang ({why})")
     tok = load_tokenizer(verifier)
     n = verifier_dims(load_verifier_config(verifier))["num_layers"]
     layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)

@@ -15,7 +15,6 @@ from typing import Any
 from eagle3.capture.folder import merge_rank_manifests
 from eagle3.capture.prompts import Sample
 from eagle3.capture.report import rate_text
-from eagle3.errors import UserError
 from eagle3.process_group import Dist
 
 log = logging.getLogger(__name__)
@@ -29,26 +28,22 @@ def ranks_agree(d: Dist, mine: Any, shards_dir: Path, prompts_path: Path) -> Non
     :func:`eagle3.capture.resume.flat_components`, or a ``cannot read ...`` string).
 
     Raises:
-        UserError: on every rank, naming the first differing rank and components.
+        UserError: on every rank, naming the first differing rank and components (:meth:`Dist.agree`).
     """
-    if d.world == 1:
-        return
-    everyone = d.all_gather(mine)
-    for r, theirs in enumerate(everyone):
-        if theirs == everyone[0]:
-            continue
-        if isinstance(theirs, str) or isinstance(everyone[0], str):
-            what = theirs if isinstance(theirs, str) else f"rank 0: {everyone[0]}"
+
+    def refusal(r: int, first: Any, theirs: Any) -> str:
+        if isinstance(theirs, str) or isinstance(first, str):
+            what = theirs if isinstance(theirs, str) else f"rank 0: {first}"
         else:
             what = "differing: " + ", ".join(
-                sorted(
-                    k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k)
-                )
+                sorted(k for k in set(theirs) | set(first) if theirs.get(k) != first.get(k))
             )
-        raise UserError(
+        return (
             f"{shards_dir}: torchrun rank {r} read other 02 settings or prompts than rank 0 ({what}); "
             f"every rank must read the same config and {prompts_path} (a node with another copy?)"
         )
+
+    d.agree(mine, refusal)
 
 
 def gather_ranks(

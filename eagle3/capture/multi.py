@@ -25,11 +25,28 @@ import torch
 from eagle3.capture.base import BackendInfo
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.errors import UserError
-from eagle3.regen.endpoints import AllEndpointsDown, EndpointPool
+from eagle3.process_group import require_agreement
+from eagle3.regen.endpoints import EndpointPool
 
 log = logging.getLogger(__name__)
 
 WHAT = "extract.sglang_url"
+
+
+class ServerPool(EndpointPool):
+    """The :class:`EndpointPool` of the capture servers; every server out of rotation stops the run, in the
+    words of batches and shards, with each server's last error."""
+
+    def all_down_message(self) -> str:
+        errs = "; ".join(
+            f"{e.url}: {'no error recorded' if e.last_error is None else e.last_error}"
+            for e in self.endpoints
+        )
+        return (
+            f"{self.what}: every capture server failed {self.dead_after} batches in a row and is out of rotation "
+            f"({errs}); the shards written so far are kept: fix or replace the servers, then re-run the same "
+            "command to resume"
+        )
 
 
 class MultiServerCapture:
@@ -55,7 +72,7 @@ class MultiServerCapture:
         self._by_url = {s.url: s for s in self.servers}
         # out of rotation for good (no revival): a node that failed max_failures batches in a row is
         # down or broken for this run; give_up_after_s=0: every server out = stop at once
-        self.pool = EndpointPool(
+        self.pool = ServerPool(
             [s.url for s in self.servers],
             per_endpoint=per_server,
             dead_after=max_failures,
@@ -66,7 +83,6 @@ class MultiServerCapture:
         self.max_failures = int(max_failures)
         self.backoff_s = float(backoff_s)
         self.aux_layers = self.servers[0].aux_layers
-        self._last_error: dict[str, str] = {}
         self._batches_done = collections.Counter()
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(
@@ -85,16 +101,21 @@ class MultiServerCapture:
         """
         first = self.servers[0].info()
         self.aux_layers = self.servers[0].aux_layers
-        for s in self.servers[1:]:
-            if s.aux_layers is None:
+
+        def served(s: SGLangCapture) -> tuple[BackendInfo, list[int]]:
+            if s.aux_layers is None:  # the others are checked against the first's layers
                 s.aux_layers = list(self.aux_layers)
-            got = s.info()
-            if got != first or s.aux_layers != self.aux_layers:
-                raise UserError(
-                    f"{WHAT} {s.url}: serves {dict(got, aux_layers=s.aux_layers)} but {self.servers[0].url} "
-                    f"serves {dict(first, aux_layers=self.aux_layers)}; every capture server must run "
-                    "the same verifier with the same flags"
-                )
+            return s.info(), s.aux_layers
+
+        def refusal(i: int, first: tuple, got: tuple) -> str:
+            return (
+                f"{WHAT} {self.servers[i].url}: serves {dict(got[0], aux_layers=got[1])} but "
+                f"{self.servers[0].url} serves {dict(first[0], aux_layers=first[1])}; every capture "
+                "server must run the same verifier with the same flags"
+            )
+
+        # one server after the other: the first that differs stops the check
+        require_agreement((served(s) for s in self.servers), refusal)
         return first
 
     def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
@@ -149,18 +170,13 @@ class MultiServerCapture:
         for attempt in range(1, max_attempts + 1):
             if generation is not None and generation != self._generation:
                 raise RuntimeError("look-ahead capture cancelled (stage 02 stopped)")
-            try:
-                ep = self.pool.acquire(avoid=last)
-            except AllEndpointsDown:
-                raise UserError(self._all_down_message()) from None
+            # every server out of rotation: AllEndpointsDown (ServerPool.all_down_message), here or after a failure
+            ep = self.pool.acquire(avoid=last)
             try:
                 out = self._by_url[ep.url].capture(batch)
             except UserError as e:
                 self.pool.release(ep, ok=False, error=str(e))
-                with self._lock:
-                    self._last_error[ep.url] = str(e)
-                if self._all_out():
-                    raise UserError(self._all_down_message()) from e
+                self.pool.check_up()
                 if attempt == max_attempts:
                     raise UserError(
                         f"{WHAT}: a batch of {len(batch)} samples failed {attempt} times; the last "
@@ -181,21 +197,6 @@ class MultiServerCapture:
                 self._batches_done[ep.url] += 1
             return out
         raise AssertionError("unreachable")
-
-    def _all_out(self) -> bool:
-        with self.pool._cv:
-            return all(e.consecutive_failures >= self.pool.dead_after for e in self.pool.endpoints)
-
-    def _all_down_message(self) -> str:
-        with self._lock:
-            errs = "; ".join(
-                f"{u}: {self._last_error.get(u, 'no error recorded')}" for u in self._by_url
-            )
-        return (
-            f"{WHAT}: every capture server failed {self.max_failures} batches in a row and is out of rotation "
-            f"({errs}); the shards written so far are kept: fix or replace the servers, then re-run the same "
-            "command to resume"
-        )
 
     def server_summary(self) -> list[dict]:
         """Per server: URL, batches captured, requests, failed attempts, times taken out of rotation."""

@@ -59,6 +59,7 @@ class Endpoint:
     requests: int = 0
     failures: int = 0
     taken_out: int = 0  # how many times it left the rotation
+    last_error: Optional[str] = None  # the error of its last failed attempt
 
     def summary(self) -> dict:
         return {
@@ -140,23 +141,12 @@ class EndpointPool:
         """Block until an endpoint has a free slot (preferring one other than ``avoid``); slot taken.
 
         Raises:
-            AllEndpointsDown: every endpoint out of rotation for ``give_up_after_s``.
+            AllEndpointsDown: every endpoint out of rotation for ``give_up_after_s`` (:meth:`check_up`).
         """
         with self._cv:
             while True:
                 now = time.monotonic()
-                # a revived endpoint whose probe fails again has not been back: only a success resets the clock
-                if any(e.consecutive_failures < self.dead_after for e in self.endpoints):
-                    self._all_dead_since = None
-                else:
-                    if self._all_dead_since is None:
-                        self._all_dead_since = now
-                    if now - self._all_dead_since >= self.give_up_after_s:
-                        raise AllEndpointsDown(
-                            f"{self.what}: every endpoint failed {self.dead_after} requests in a row and stayed "
-                            f"unreachable for {self.give_up_after_s:.0f} s ({', '.join(e.url for e in self.endpoints)}); "
-                            "finished answers are kept, rerun the same command to resume"
-                        )
+                self._check_up(now)
                 usable = [e for e in self.endpoints if self._usable(e, now)]
                 if avoid is not None and len(usable) > 1:
                     usable = [e for e in usable if e is not avoid] or usable
@@ -171,6 +161,30 @@ class EndpointPool:
                 wake = [e.dead_until - now for e in self.endpoints if e.dead_until > now]
                 self._cv.wait(timeout=min(wake + [1.0]))
 
+    def check_up(self) -> None:
+        """Raise :class:`AllEndpointsDown` (:meth:`all_down_message`) when every endpoint has been out of rotation
+        for ``give_up_after_s`` (0: as soon as the last one goes out)."""
+        with self._cv:
+            self._check_up(time.monotonic())
+
+    def _check_up(self, now: float) -> None:
+        # a revived endpoint whose probe fails again has not been back: only a success resets the clock
+        if any(e.consecutive_failures < self.dead_after for e in self.endpoints):
+            self._all_dead_since = None
+            return
+        if self._all_dead_since is None:
+            self._all_dead_since = now
+        if now - self._all_dead_since >= self.give_up_after_s:
+            raise AllEndpointsDown(self.all_down_message())
+
+    def all_down_message(self) -> str:
+        """The one line :class:`AllEndpointsDown` says: the endpoints, how long they were out, what is kept."""
+        return (
+            f"{self.what}: every endpoint failed {self.dead_after} requests in a row and stayed "
+            f"unreachable for {self.give_up_after_s:.0f} s ({', '.join(e.url for e in self.endpoints)}); "
+            "finished answers are kept, rerun the same command to resume"
+        )
+
     def release(self, ep: Endpoint, ok: bool, error: str = "") -> None:
         """Give back ``ep``'s slot and record whether the attempt succeeded."""
         with self._cv:
@@ -183,6 +197,7 @@ class EndpointPool:
             else:
                 ep.failures += 1
                 ep.consecutive_failures += 1
+                ep.last_error = error
                 if ep.consecutive_failures == self.dead_after:
                     ep.taken_out += 1
                     spell = (

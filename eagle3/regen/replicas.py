@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 
 from eagle3.chat.template import has_tool_calls
-from eagle3.errors import UserError
 from eagle3.process_group import Dist, init_dist, process_group_scope
 from eagle3.regen.regenerate import regenerate
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
@@ -50,26 +49,27 @@ def ranks_agree(d: Dist, want: dict, fresh: bool, prompts_path: Path) -> bool:
     (source files' sha256 included).
 
     Raises:
-        UserError: on every rank, naming the first rank whose settings or decision differ.
+        UserError: on every rank, naming the first rank whose settings or decision differ
+            (:meth:`Dist.agree`).
     """
-    if d.world <= 1:
-        return fresh
-    everyone = d.all_gather((json.dumps(want, sort_keys=True, default=str), fresh))
-    for r, (w, f) in enumerate(everyone):
-        if w != everyone[0][0]:
-            mine, theirs = json.loads(w), json.loads(everyone[0][0])
-            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            raise UserError(
+
+    def refusal(r: int, first: tuple, theirs: tuple) -> str:
+        (w0, _), (w, f) = first, theirs
+        if w != w0:
+            mine, other = json.loads(w), json.loads(w0)
+            keys = sorted(k for k in set(mine) | set(other) if mine.get(k) != other.get(k))
+            return (
                 f"{prompts_path}: torchrun rank {r} read other 01 settings or prompts.source files "
                 f"than rank 0 (differing: {', '.join(keys)}); every rank must read the same config and "
                 f"source files (a node with another copy of them?)"
             )
-        if f != everyone[0][1]:
-            raise UserError(
-                f"{prompts_path}: torchrun rank {r} found {prompts_path.name} "
-                f"{'up to date' if f else 'out of date'}, rank 0 did not; every rank must see the same "
-                f"output folder (a node-local output_root?)"
-            )
+        return (
+            f"{prompts_path}: torchrun rank {r} found {prompts_path.name} "
+            f"{'up to date' if f else 'out of date'}, rank 0 did not; every rank must see the same "
+            f"output folder (a node-local output_root?)"
+        )
+
+    d.agree((json.dumps(want, sort_keys=True, default=str), fresh), refusal)
     return fresh
 
 

@@ -142,17 +142,21 @@ def load(path: str, want: dict) -> dict[str, dict]:
         UserError: the file or its report is missing or unreadable, a line is bad, or the settings differ.
     """
     p = Path(path)
-    if not p.is_file():
-        what = (
-            "a folder; give the earlier prompts.jsonl[.gz] in it" if p.is_dir() else "no such file"
-        )
-        raise UserError(f"prompts.reuse_answers: {p}: {what}")
     rep = p.parent / "prompts_report.json"
-    if not rep.is_file():
-        raise UserError(
-            f"prompts.reuse_answers: {rep}: missing (the report 01 wrote beside {p.name} tells the "
-            f"settings its answers were made under)"
-        )
+    # the two files it reads, in that order, and what a missing one is
+    for f, missing in (
+        (
+            p,
+            "a folder; give the earlier prompts.jsonl[.gz] in it" if p.is_dir() else "no such file",
+        ),
+        (
+            rep,
+            f"missing (the report 01 wrote beside {p.name} tells the settings its answers were made "
+            "under)",
+        ),
+    ):
+        if not f.is_file():
+            raise UserError(f"prompts.reuse_answers: {f}: {missing}")
     check_settings(read_json(rep), want, rep)
     return {conversation_key(r): r for r in _read_rows(p)}
 

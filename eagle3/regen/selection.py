@@ -8,9 +8,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from eagle3.capture.prompts import require_prompts_file
 from eagle3.data.readers import dedupe, read_conversations, sample, short_pool_warning, unique_ids
 from eagle3.errors import UserError
-from eagle3.io.read import relative_hint
 from eagle3.process_group import is_rank0
 from eagle3.regen.report import limit_drops_self_instruct, read_counts_text
 
@@ -134,10 +134,6 @@ def add_self_instruct(
 def require_source_files(source) -> None:
     """One line for a ``prompts.source`` file (``source``: one or a list) that does not exist (named sets and ``hf:`` sources aside), before 01
     says it remakes ``prompts.jsonl`` (the earlier file is kept)."""
-    src = source
-    for x in [src] if isinstance(src, str) else list(src):
-        if x != "humaneval" and not x.startswith("hf:") and not Path(x).exists():
-            hint = relative_hint(x)
-            raise UserError(
-                f"{x}: prompts file not found (prompts.source{'; ' + hint if hint else ''})"
-            )
+    for x in [source] if isinstance(source, str) else list(source):
+        if x != "humaneval" and not x.startswith("hf:"):
+            require_prompts_file(x, "prompts.source", folder_ok=True)

@@ -209,12 +209,14 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
             failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
             d.all_gather(failed)
             raise
-    # every rank reads the file after rank 0 wrote it: the gather is that barrier and says whether rank 0 could
-    failed = d.all_gather(failed)[0] if d.world > 1 else None
-    if failed is not None:
-        raise UserError(
+    # every rank reads the file after rank 0 wrote it: the gather is that barrier, and the ranks go on only when
+    # they agree with rank 0's outcome (no failure); a failed rank 0 gathered its error above
+    d.agree(
+        None,
+        lambda _r, failed, _mine: (
             f"rank {d.rank}: stopped, rank 0 could not make {cfg.self_instruct_path}: {failed}"
-        )
+        ),
+    )
     return cfg.self_instruct_path
 
 

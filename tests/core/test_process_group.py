@@ -33,6 +33,23 @@ def calls(monkeypatch):
     return log
 
 
+def test_require_agreement_names_the_first_replica_that_differs_and_reads_no_further():
+    from eagle3.errors import UserError
+
+    read = []
+
+    def values():
+        for v in ["a", "a", "b", "c"]:
+            read.append(v)
+            yield v
+
+    with pytest.raises(UserError) as e:
+        process_group.require_agreement(values(), lambda i, first, v: f"#{i}: {v} != {first}")
+    assert str(e.value) == "#2: b != a" and read == ["a", "a", "b"]
+    process_group.require_agreement(iter([1, 1, 1]), lambda *a: "never")
+    process_group.Dist().agree({"x": 1}, lambda *a: "never")  # a world of 1: nothing to compare
+
+
 def test_close_waits_at_the_barrier_then_destroys_then_collects(calls):
     group = object()
     process_group.close_process_group(group)

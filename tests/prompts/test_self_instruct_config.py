@@ -367,6 +367,25 @@ def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
     assert rep["regeneration"]["replicas"] == 2 and rep["counts"]["self_instruct"] == 3
 
 
+def test_a_rank_past_0_stops_with_rank_0s_error_in_one_line(tmp_path, tiny_llama_dir, monkeypatch):
+    """Rank 1's line when rank 0 could not make the file (its error gathered), and none when rank 0 made it."""
+    from eagle3.process_group import Dist
+    from eagle3.stages.prepare_prompts import make_self_instruct
+
+    cfg = load_config(
+        _config(tmp_path, tiny_llama_dir, "r1", "x.jsonl", ", self_instruct: {num: 5}")
+    )
+    d = Dist(rank=1, world=2)
+    monkeypatch.setattr(d, "all_gather", lambda mine: ["--exclude: gone", mine])
+    with pytest.raises(UserError) as e:
+        make_self_instruct(cfg, False, d)
+    assert str(e.value) == (
+        f"rank 1: stopped, rank 0 could not make {cfg.self_instruct_path}: --exclude: gone"
+    )
+    monkeypatch.setattr(d, "all_gather", lambda mine: [None, mine])
+    assert make_self_instruct(cfg, False, d) == cfg.self_instruct_path
+
+
 def test_two_gloo_ranks_stop_in_one_line_when_rank_0_cannot_make_the_file(tmp_path, tiny_llama_dir):
     """torchrun, 2 ranks, a missing exclude file: rank 0 stops on it; rank 1, waiting for the file, died in a gloo
     'Connection closed by peer' traceback (trial si-2); it now stops with rank 0's error, and the job prints it once."""
