@@ -156,32 +156,43 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict[Loc, str]:
     """
     applied: dict[Loc, str] = {}
     for ov in overrides:
-        key, sep, val = ov.partition("=")
-        text = one_line(ov, 80)
-        if not sep:
-            raise UserError(f"--set {text}: expected section.key=value")
-        parts = tuple(x.strip() for x in key.split("."))
-        if not all(parts):
-            raise UserError(f"--set {text}: empty key name in '{key}' (expected section.key=value)")
-        try:
-            value = parse_yaml(val)
-        except YAMLError as e:
-            raise UserError(
-                f"--set {text}: value is not valid YAML ({yaml_problem(e)}); to pass it as a string, "
-                f"quote it: --set \"{key}='...'\""
-            ) from None
-        node = raw
-        for i, p in enumerate(parts[:-1]):
-            if node.get(p) is None:  # absent, or an empty section (`train:` with nothing under it)
-                node[p] = {}
-            node = node[p]
-            if not isinstance(node, dict):
-                prefix = parts[: i + 1]
-                by = f" (set by --set {applied[prefix]})" if prefix in applied else ""
-                raise UserError(f"--set {text}: '{'.'.join(prefix)}' is a value{by}, not a section")
+        fault = _override_fault(raw, ov, applied)
+        if isinstance(fault, str):
+            raise UserError(f"--set {one_line(ov, 80)}: {fault}")
+        parts, value, node = fault
         node[parts[-1]] = value
-        applied[parts] = text
+        applied[parts] = one_line(ov, 80)
     return applied
+
+
+def _override_fault(raw: dict, ov: str, applied: dict[Loc, str]) -> str | tuple[Loc, Any, dict]:
+    """What is wrong with the override ``ov`` (``section.key=value``), the text after ``--set <override>: ``: a
+    missing ``=``, an empty key part, a value that is not valid YAML, or a key below a field that is not a section
+    (naming the earlier override in ``applied`` that made it a value); else ``(key parts, parsed value, the section
+    of ``raw`` it goes in)``, the sections on its path created as empty ones."""
+    key, sep, val = ov.partition("=")
+    if not sep:
+        return "expected section.key=value"
+    parts = tuple(x.strip() for x in key.split("."))
+    if not all(parts):
+        return f"empty key name in '{key}' (expected section.key=value)"
+    try:
+        value = parse_yaml(val)
+    except YAMLError as e:
+        return (
+            f"value is not valid YAML ({yaml_problem(e)}); to pass it as a string, "
+            f"quote it: --set \"{key}='...'\""
+        )
+    node = raw
+    for i, p in enumerate(parts[:-1]):
+        if node.get(p) is None:  # absent, or an empty section (`train:` with nothing under it)
+            node[p] = {}
+        node = node[p]
+        if not isinstance(node, dict):
+            prefix = parts[: i + 1]
+            by = f" (set by --set {applied[prefix]})" if prefix in applied else ""
+            return f"'{'.'.join(prefix)}' is a value{by}, not a section"
+    return parts, value, node
 
 
 def field_path(loc) -> str:
