@@ -21,7 +21,7 @@ from ruamel.yaml.error import MantissaNoDotYAML1_1Warning, YAMLError
 from ruamel.yaml.resolver import VersionedResolver
 
 from eagle3.errors import UserError
-from eagle3.io.read import not_utf8_error
+from eagle3.io.read import not_utf8_error, require_file
 from eagle3.settings.types import ItemError
 
 Loc = tuple[str, ...]
@@ -348,13 +348,10 @@ def read_config_text(path: Path) -> str:
     """The text of the config file ``path``.
 
     Raises:
-        UserError: ``<path>: config file not found`` (``(it is a directory)``), not UTF-8 (with the line), or
-            unreadable (with the OS's reason).
+        UserError: ``<path>: config file not found`` (``(it is a directory)``; :func:`eagle3.io.read.require_file`),
+            not UTF-8 (with the line), or unreadable (with the OS's reason).
     """
-    if not path.is_file():
-        raise UserError(
-            f"{path}: config file not found" + (" (it is a directory)" if path.is_dir() else "")
-        )
+    require_file(path, "config file", "it is a directory" if path.is_dir() else "")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:  # run.yaml:3: not UTF-8 text: byte 0xe9 at column 14 ...
