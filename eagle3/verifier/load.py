@@ -53,18 +53,28 @@ class VerifierSpec(Protocol):
 # paths and devices
 # ---------------------------------------------------------------------------------------------
 def _check_files(vcfg: VerifierSpec) -> Path:
-    """Return the verifier folder; raise UserError when it (or its GGUF/config file) is missing."""
+    """Return the verifier folder; raise UserError when it (or its GGUF/config file) is missing
+    (:func:`_missing_file`'s line)."""
     path = vcfg.resolved_path()
+    missing = _missing_file(vcfg, path)
+    if missing is not None:
+        raise UserError(missing)
+    return path
+
+
+def _missing_file(vcfg: VerifierSpec, path: Path) -> Optional[str]:
+    """The refusal line, naming the field to fix, for what the verifier folder ``path`` lacks: the folder itself,
+    ``verifier.gguf_file`` inside it, or (no GGUF file set) its ``config.json``; None when nothing is missing."""
     if not path.is_dir():
-        raise UserError(f"verifier.path: folder '{path}' not found")
+        return f"verifier.path: folder '{path}' not found"
     if vcfg.gguf_file:
-        if not (path / vcfg.gguf_file).is_file():
-            raise UserError(f"verifier.gguf_file: '{path / vcfg.gguf_file}' not found")
-    elif not (path / "config.json").is_file():
-        raise UserError(
+        gguf = path / vcfg.gguf_file
+        return None if gguf.is_file() else f"verifier.gguf_file: '{gguf}' not found"
+    if not (path / "config.json").is_file():
+        return (
             f"verifier.path: '{path}' has no config.json (set verifier.gguf_file for a GGUF model)"
         )
-    return path
+    return None
 
 
 _FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file

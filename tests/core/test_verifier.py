@@ -210,6 +210,32 @@ def test_missing_files_are_user_errors(tmp_path):
         load_verifier_config(VerifierConfig(path="package:not_a_pkg_xyz"))
 
 
+def test_missing_verifier_files_name_the_field_and_the_file(tmp_path):
+    """What the verifier folder lacks, as one line naming the field to fix and the path."""
+    (tmp_path / "gguf").mkdir()
+    for vcfg, want in (
+        (
+            VerifierConfig(path=str(tmp_path / "nope")),
+            f"verifier.path: folder '{tmp_path / 'nope'}' not found",
+        ),
+        (
+            VerifierConfig(path=str(tmp_path / "gguf"), gguf_file="x.gguf"),
+            f"verifier.gguf_file: '{tmp_path / 'gguf' / 'x.gguf'}' not found",
+        ),
+        (
+            VerifierConfig(path=str(tmp_path)),
+            f"verifier.path: '{tmp_path}' has no config.json (set verifier.gguf_file for a GGUF model)",
+        ),
+    ):
+        for load in (load_tokenizer, load_verifier_config):
+            with pytest.raises(UserError) as e:
+                load(vcfg)
+            assert str(e.value) == want
+    with pytest.raises(UserError) as e:
+        resolve_device("warp-drive")
+    assert str(e.value) == "verifier.device: invalid device 'warp-drive'"
+
+
 def test_trust_remote_code_only_when_set():
     assert _hf_kwargs(VerifierConfig(path="x")) == {}
     assert _hf_kwargs(VerifierConfig(path="x", trust_remote_code=True, gguf_file="m.gguf")) == {
