@@ -144,10 +144,19 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = _device_or_fault(device)
+    if isinstance(dev, str):
+        raise UserError(f"verifier.device: {dev}")
+    return dev
+
+
+def _device_or_fault(device: Union[str, torch.device]) -> Union[torch.device, str]:
+    """``torch.device(device)``, or why ``verifier.device`` cannot be it: not a device name, or a CUDA device this
+    machine does not have (naming the ones it has and the fix)."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise UserError(f"verifier.device: invalid device '{device}'") from e
+    except (RuntimeError, TypeError):
+        return f"invalid device '{device}'"
     n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
     if dev.type == "cuda" and (n == 0 or (dev.index or 0) >= n):
         has = (
@@ -156,7 +165,7 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
             else f"no CUDA (torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
             "auto (cuda when there is one, else cpu) or cpu"
         )
-        raise UserError(f"verifier.device: '{device}', but this machine has {has}")
+        return f"'{device}', but this machine has {has}"
     return dev
 
 
