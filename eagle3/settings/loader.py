@@ -21,7 +21,7 @@ from ruamel.yaml.error import MantissaNoDotYAML1_1Warning, YAMLError
 from ruamel.yaml.resolver import VersionedResolver
 
 from eagle3.errors import UserError
-from eagle3.io.read import not_utf8_error
+from eagle3.io.read import not_utf8_error, require_file
 from eagle3.settings.types import ItemError
 
 Loc = tuple[str, ...]
@@ -156,32 +156,43 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict[Loc, str]:
     """
     applied: dict[Loc, str] = {}
     for ov in overrides:
-        key, sep, val = ov.partition("=")
-        text = one_line(ov, 80)
-        if not sep:
-            raise UserError(f"--set {text}: expected section.key=value")
-        parts = tuple(x.strip() for x in key.split("."))
-        if not all(parts):
-            raise UserError(f"--set {text}: empty key name in '{key}' (expected section.key=value)")
-        try:
-            value = parse_yaml(val)
-        except YAMLError as e:
-            raise UserError(
-                f"--set {text}: value is not valid YAML ({yaml_problem(e)}); to pass it as a string, "
-                f"quote it: --set \"{key}='...'\""
-            ) from None
-        node = raw
-        for i, p in enumerate(parts[:-1]):
-            if node.get(p) is None:  # absent, or an empty section (`train:` with nothing under it)
-                node[p] = {}
-            node = node[p]
-            if not isinstance(node, dict):
-                prefix = parts[: i + 1]
-                by = f" (set by --set {applied[prefix]})" if prefix in applied else ""
-                raise UserError(f"--set {text}: '{'.'.join(prefix)}' is a value{by}, not a section")
+        fault = _override_fault(raw, ov, applied)
+        if isinstance(fault, str):
+            raise UserError(f"--set {one_line(ov, 80)}: {fault}")
+        parts, value, node = fault
         node[parts[-1]] = value
-        applied[parts] = text
+        applied[parts] = one_line(ov, 80)
     return applied
+
+
+def _override_fault(raw: dict, ov: str, applied: dict[Loc, str]) -> str | tuple[Loc, Any, dict]:
+    """What is wrong with the override ``ov`` (``section.key=value``), the text after ``--set <override>: ``: a
+    missing ``=``, an empty key part, a value that is not valid YAML, or a key below a field that is not a section
+    (naming the earlier override in ``applied`` that made it a value); else ``(key parts, parsed value, the section
+    of ``raw`` it goes in)``, the sections on its path created as empty ones."""
+    key, sep, val = ov.partition("=")
+    if not sep:
+        return "expected section.key=value"
+    parts = tuple(x.strip() for x in key.split("."))
+    if not all(parts):
+        return f"empty key name in '{key}' (expected section.key=value)"
+    try:
+        value = parse_yaml(val)
+    except YAMLError as e:
+        return (
+            f"value is not valid YAML ({yaml_problem(e)}); to pass it as a string, "
+            f"quote it: --set \"{key}='...'\""
+        )
+    node = raw
+    for i, p in enumerate(parts[:-1]):
+        if node.get(p) is None:  # absent, or an empty section (`train:` with nothing under it)
+            node[p] = {}
+        node = node[p]
+        if not isinstance(node, dict):
+            prefix = parts[: i + 1]
+            by = f" (set by --set {applied[prefix]})" if prefix in applied else ""
+            return f"'{'.'.join(prefix)}' is a value{by}, not a section"
+    return parts, value, node
 
 
 def field_path(loc) -> str:
@@ -337,13 +348,10 @@ def read_config_text(path: Path) -> str:
     """The text of the config file ``path``.
 
     Raises:
-        UserError: ``<path>: config file not found`` (``(it is a directory)``), not UTF-8 (with the line), or
-            unreadable (with the OS's reason).
+        UserError: ``<path>: config file not found`` (``(it is a directory)``; :func:`eagle3.io.read.require_file`),
+            not UTF-8 (with the line), or unreadable (with the OS's reason).
     """
-    if not path.is_file():
-        raise UserError(
-            f"{path}: config file not found" + (" (it is a directory)" if path.is_dir() else "")
-        )
+    require_file(path, "config file", "it is a directory" if path.is_dir() else "")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:  # run.yaml:3: not UTF-8 text: byte 0xe9 at column 14 ...

@@ -20,20 +20,29 @@ def package_dir(module: str, field: str = "package") -> Path:
     Sub-packages are then plain sub-folders of the top-level one.
 
     Raises UserError (naming ``field``) when the package is not installed or is not a folder
-    (a single-file module has no data files beside it).
+    (a single-file module has no data files beside it): :func:`_package_folder`'s reason.
     """
+    folder = _package_folder(module)
+    if isinstance(folder, str):
+        raise UserError(f"{field}: {folder}")
+    return folder
+
+
+def _package_folder(module: str) -> Path | str:
+    """The folder of the package ``module`` (:func:`package_dir`), or why there is none: not installed (the top-level
+    name not on the import path, or no such sub-folder), or a single-file module."""
     top, *rest = module.split(".")
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         spec = None
     if spec is None:
-        raise UserError(f"{field}: Python package '{module}' is not installed")
+        return f"Python package '{module}' is not installed"
     if not spec.submodule_search_locations:
-        raise UserError(f"{field}: '{top}' is a single-file module, not a package folder")
+        return f"'{top}' is a single-file module, not a package folder"
     folder = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
     if not folder.is_dir():
-        raise UserError(f"{field}: Python package '{module}' is not installed (no folder {folder})")
+        return f"Python package '{module}' is not installed (no folder {folder})"
     return folder
 
 

