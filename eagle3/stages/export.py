@@ -60,24 +60,19 @@ REDO_HINT = (
 
 def check_export_destination(out: Path, engine: str, field: str = "export.output_dir") -> None:
     """04's start-up check of where the export will go (``04_train.py`` calls it before training): the refusals of
-    :func:`eagle3.export.folder.check_replaceable`, and a path under a file, so that they do not come only after the
-    whole training.
+    :func:`eagle3.export.folder.check_replaceable` (a path under a file included), so that they do not come only
+    after the whole training.
 
     ``field``: the config field that puts ``out`` there (``RunConfig.output_field("export")``), for the messages.
 
     Raises:
-        UserError: as :func:`eagle3.export.folder.check_replaceable`; a parent of ``out`` that is a file; or a folder
-            above ``out`` that cannot be made (:func:`eagle3.io.probe_dirs`: ``<field>: cannot create the output
-            folder ...``).
+        UserError: as :func:`eagle3.export.folder.check_replaceable` (a parent of ``out`` that is a file named
+            with ``field``); or a folder above ``out`` that cannot be made (:func:`eagle3.io.probe_dirs`:
+            ``<field>: cannot create the output folder ...``).
     """
     out = Path(out)
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{out}: {field} is under {parent}, which is a file, not a folder")
-            break
+    check_replaceable(out, engine, field)
     probe_dirs(out.parent, field)  # the export is made beside it and renamed
-    check_replaceable(out, engine)
 
 
 def check_export_serves(cfg: RunConfig) -> Optional[str]:
