@@ -28,15 +28,9 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
         ``Eagle3Drafter`` (float32, CPU).
 
     Raises:
-        UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
-            the verifier's token embedding, so the widths must agree).
+        UserError: the drafter hidden size differs from the verifier's (:func:`require_verifier_width`).
     """
-    if head.embed.shape[1] != args.hidden_size:
-        raise UserError(
-            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-            f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
-            f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)"
-        )
+    require_verifier_width(args.hidden_size, head.embed.shape[1])
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(args).float()
     drafter.load_embeddings(head.embed.float())  # [V, H], frozen
@@ -46,6 +40,22 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
         drafter.lm_head.weight.copy_(head.lm_head.float()[target_ids])  # [dV, H]
     drafter.embed_tokens.weight.requires_grad_(False)
     return drafter
+
+
+def require_verifier_width(hidden_size: int, verifier_hidden: int, source: str = "") -> None:
+    """The drafter's ``hidden_size`` must be the verifier's ``verifier_hidden`` (EAGLE-3 drafters reuse the verifier's
+    token embedding); ``source``: where the verifier's was read, named when given.
+
+    Raises:
+        UserError: ``drafter.hidden_size: <h> differs from the verifier hidden size <v> (<source>); ...``.
+    """
+    if int(hidden_size) != int(verifier_hidden):
+        where = f" ({source})" if source else ""
+        raise UserError(
+            f"drafter.hidden_size: {hidden_size} differs from the verifier hidden size "
+            f"{verifier_hidden}{where}; the drafter reuses the verifier's token embedding: set "
+            f"drafter.hidden_size: {verifier_hidden} (or null, the verifier's)"
+        )
 
 
 def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:

@@ -1,0 +1,44 @@
+"""The functions that own a refusal shared by two callers say it the same way for each (issue 50)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eagle3.errors import UserError
+from eagle3.train.inputs import head_problem
+from eagle3.train.warm_start import init_drafter, require_verifier_width
+
+
+def _head(vocab: int, hidden: int, post: bool):
+    return SimpleNamespace(vocab_size=vocab, hidden_size=hidden, last_is_post_norm=post)
+
+
+def test_head_problem_names_the_shape_then_the_norm():
+    dc = {"vocab_size": 40, "hidden_size": 16, "last_hidden_state": "post_norm"}
+    assert head_problem(_head(40, 16, True), dc) is None
+    assert head_problem(_head(40, 8, False), dc) == (
+        "head is [40, 8] but data_config.json says vocab_size 40, hidden_size 16"
+    )
+    assert head_problem(_head(40, 16, False), dc) == (
+        "metadata 'last_is_post_norm' is False but data_config.json says last_hidden_state='post_norm'"
+    )
+
+
+def test_verifier_width_refusal_names_the_source_when_given():
+    require_verifier_width(16, 16)
+    with pytest.raises(UserError) as e:
+        require_verifier_width(32, 16, "s/data_config.json")
+    assert str(e.value) == (
+        "drafter.hidden_size: 32 differs from the verifier hidden size 16 (s/data_config.json); the drafter "
+        "reuses the verifier's token embedding: set drafter.hidden_size: 16 (or null, the verifier's)"
+    )
+    head = SimpleNamespace(embed=torch.zeros(40, 16))
+    with pytest.raises(UserError) as e:
+        init_drafter(SimpleNamespace(hidden_size=32), head, {}, seed=0)
+    assert str(e.value) == (
+        "drafter.hidden_size: 32 differs from the verifier hidden size 16; the drafter reuses the verifier's "
+        "token embedding: set drafter.hidden_size: 16 (or null, the verifier's)"
+    )
