@@ -261,16 +261,11 @@ def load_exported(
     cfg_path, engine, args, wpath, warnings = preflight_export(path)
     for w in warnings:
         log.warning("%s", w)
-    fmt = FORMATS[engine]
-    tensors = _read_tensors(wpath, fmt)
-    _fill_vocab_map(tensors, args, fmt, wpath, cfg_path)
-    _check_tensor_names(tensors, args, fmt, wpath)
-    _pick_upper_norms(tensors, args, fmt, wpath)
-    drafter = Eagle3Drafter(args)
+    tensors = _read_tensors(wpath, FORMATS[engine])
+    problem, drafter = _fit_tensors(tensors, args, FORMATS[engine], (wpath, cfg_path), embed_weight)
+    if problem:
+        raise UserError(f"{wpath}: {problem}")
     sd = drafter.state_dict()
-    _check_shapes(tensors, sd, wpath)
-    if EMBED_KEY not in tensors:
-        tensors[EMBED_KEY] = _verifier_embedding(embed_weight, sd, args, wpath, cfg_path)
     check_vocab_map(
         tensors["d2t"],
         tensors["t2d"],
@@ -302,50 +297,80 @@ def _read_tensors(wpath: Path, fmt: ModuleType) -> dict[str, torch.Tensor]:
     }
 
 
-def _fill_vocab_map(
-    tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: Path, cfg_path: Path
-) -> None:
-    """A full-vocab folder without ``d2t``/``t2d`` gets the identity map (as both engines use it).
+def _fit_tensors(
+    tensors: dict,
+    args: DrafterArgs,
+    fmt: ModuleType,
+    paths: tuple[Path, Path],
+    embed_weight: Optional[torch.Tensor],
+) -> tuple[Optional[str], Optional[Eagle3Drafter]]:
+    """The folder's ``tensors`` (``paths``: its weights file and ``config.json``) made the state of the drafter its
+    config implies (in place: the identity vocab map of a full-vocab folder, the upper layers' norm its engine
+    applies, ``embed_weight`` where the folder stores no embedding).
 
-    Raises:
-        UserError: a ``d2t`` where the folder's engine refuses one (:data:`VOCAB_MAP_REFUSAL` of its format).
+    Returns:
+        ``(None, the drafter to copy them into)``, or ``(the first fault, None)``: a ``d2t`` where the folder's
+        engine refuses one, a missing or unexpected tensor, a tensor of another shape, no embedding to use.
     """
-    full_vocab = args.draft_vocab_size == args.target_vocab_size
-    if not fmt.writes_vocab_map(args.draft_vocab_size, args.target_vocab_size) and "d2t" in tensors:
-        raise UserError(
-            f"{wpath}: tensor 'd2t' in a full-vocab folder ({cfg_path.name} draft_vocab_size = vocab_size = "
-            f"{args.draft_vocab_size}): {LABELS[fmt.ENGINE]} refuses it ({fmt.VOCAB_MAP_REFUSAL}); re-export "
-            f"with 04_train.py --export-only --engine {fmt.ENGINE}"
-        )
-    if full_vocab and "d2t" not in tensors and "t2d" not in tensors:
+    wpath, cfg_path = paths
+    problem = _stray_vocab_map(tensors, args, fmt, cfg_path)
+    if problem:
+        return problem, None
+    # a full-vocab folder without a map: the identity, as both engines use it
+    if args.draft_vocab_size == args.target_vocab_size and not {"d2t", "t2d"} & set(tensors):
         tensors["d2t"] = torch.zeros(args.draft_vocab_size, dtype=torch.int64)
         tensors["t2d"] = torch.ones(args.target_vocab_size, dtype=torch.bool)
+    problem = _tensor_names_problem(tensors, args, fmt)
+    if problem:
+        return problem, None
+    _pick_upper_norms(tensors, args, fmt, wpath)
+    drafter = Eagle3Drafter(args)
+    sd = drafter.state_dict()
+    problem = next(
+        (
+            f"tensor '{k}' has shape {list(v.shape)}, config implies {list(sd[k].shape)}"
+            for k, v in tensors.items()
+            if tuple(v.shape) != tuple(sd[k].shape)
+        ),
+        None,
+    )
+    if problem is None and EMBED_KEY not in tensors:
+        problem = _embedding_problem(embed_weight, sd, args, cfg_path)
+        tensors[EMBED_KEY] = embed_weight  # copied only when it fits (no problem)
+    return (problem, None) if problem else (None, drafter)
 
 
-def _check_tensor_names(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: Path) -> None:
-    """Every required tensor is there (named as the folder names it), none unexpected.
+def _stray_vocab_map(
+    tensors: dict, args: DrafterArgs, fmt: ModuleType, cfg_path: Path
+) -> Optional[str]:
+    """The fault of a ``d2t`` in a full-vocab folder whose engine refuses one (:data:`VOCAB_MAP_REFUSAL` of its
+    format), or None."""
+    if fmt.writes_vocab_map(args.draft_vocab_size, args.target_vocab_size) or "d2t" not in tensors:
+        return None
+    return (
+        f"tensor 'd2t' in a full-vocab folder ({cfg_path.name} draft_vocab_size = vocab_size = "
+        f"{args.draft_vocab_size}): {LABELS[fmt.ENGINE]} refuses it ({fmt.VOCAB_MAP_REFUSAL}); re-export "
+        f"with 04_train.py --export-only --engine {fmt.ENGINE}"
+    )
 
-    Raises:
-        UserError: the first missing tensor (for ``d2t``, why it is needed), else the first unexpected one.
-    """
+
+def _tensor_names_problem(tensors: dict, args: DrafterArgs, fmt: ModuleType) -> Optional[str]:
+    """The first required tensor missing (named as the folder names it; for ``d2t``, why it is needed), else the
+    first unexpected one, or None."""
     want = required_keys(
         "sglang", args.variant, args.num_layers, layer_keys(args)
     )  # the drafter's names
     missing = [k for k in want if k not in tensors]
     extra = sorted(set(tensors) - set(want) - {EMBED_KEY})
-    if missing or extra:
+    if missing:
         why = (
             f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
             f"engine takes every draft id for the target id of the same number)"
-            if missing[:1] == ["d2t"]
+            if missing[0] == "d2t"
             else ""
         )
-        fault = (
-            f"missing required tensor '{missing[0].replace('midlayer.', fmt.LAYER0, 1)}'{why}"
-            if missing
-            else f"unexpected tensor '{extra[0]}'"
-        )
-        raise UserError(f"{wpath}: {fault}")
+        return f"missing required tensor '{missing[0].replace('midlayer.', fmt.LAYER0, 1)}'{why}"
+    return f"unexpected tensor '{extra[0]}'" if extra else None
 
 
 def _pick_upper_norms(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: Path) -> None:
@@ -369,41 +394,25 @@ def _pick_upper_norms(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: 
         tensors[pre + "input_layernorm.weight"] = weight  # the drafter's name (Eagle3UpperLayer)
 
 
-def _check_shapes(tensors: dict, sd: dict, wpath: Path) -> None:
-    """Each tensor has the shape the config implies (``sd``: the drafter's state).
-
-    Raises:
-        UserError: naming the tensor, its shape and the implied one.
-    """
-    for k, v in tensors.items():
-        if tuple(v.shape) != tuple(sd[k].shape):
-            raise UserError(
-                f"{wpath}: tensor '{k}' has shape {list(v.shape)}, config implies {list(sd[k].shape)}"
-            )
-
-
-def _verifier_embedding(
-    embed_weight: Optional[torch.Tensor], sd: dict, args: DrafterArgs, wpath: Path, cfg_path: Path
-) -> torch.Tensor:
-    """``embed_weight`` for a folder without ``embed_tokens.weight``.
-
-    Raises:
-        UserError: none given, or of another shape than the config implies.
-    """
+def _embedding_problem(
+    embed_weight: Optional[torch.Tensor], sd: dict, args: DrafterArgs, cfg_path: Path
+) -> Optional[str]:
+    """Why ``embed_weight`` cannot stand for the ``embed_tokens.weight`` a folder does not store (none given, or of
+    another shape than the config implies), or None."""
     want = list(sd[EMBED_KEY].shape)
-    if embed_weight is None or list(embed_weight.shape) != want:
-        hint = (
-            f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
-            f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
-            if args.hidden_size != args.target_hidden_size
-            else ""
-        )
-        got = "not given" if embed_weight is None else f"of shape {list(embed_weight.shape)}"
-        raise UserError(
-            f"{wpath}: no '{EMBED_KEY}' stored and embed_weight is {got}; pass the verifier's embedding of shape "
-            f"{want} ({cfg_path.name} implies it){hint}"
-        )
-    return embed_weight
+    if embed_weight is not None and list(embed_weight.shape) == want:
+        return None
+    hint = (
+        f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
+        f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
+        if args.hidden_size != args.target_hidden_size
+        else ""
+    )
+    got = "not given" if embed_weight is None else f"of shape {list(embed_weight.shape)}"
+    return (
+        f"no '{EMBED_KEY}' stored and embed_weight is {got}; pass the verifier's embedding of shape "
+        f"{want} ({cfg_path.name} implies it){hint}"
+    )
 
 
 def _read_config_json(root: Path) -> tuple[Path, dict]:
