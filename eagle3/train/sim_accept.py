@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -400,17 +400,31 @@ def _load_best_into(path: Path, drafter: nn.Module, fix: str) -> int:
         state = safe_torch_load(path)
     except UserError as e:
         raise UserError(f"{e}; {fix}") from e
-    for key in ("step", "model"):
-        if not isinstance(state, dict) or key not in state:
-            raise UserError(f"{path}: key '{key}' missing; {fix}")
     params = dict(drafter.named_parameters())
-    for name, t in state["model"].items():
-        if name not in params or tuple(params[name].shape) != tuple(t.shape):
-            raise UserError(f"{path}: tensor '{name}' does not fit the drafter; {fix}")
+    problem = _best_state_problem(state, params)
+    if problem:
+        raise UserError(f"{path}: {problem}; {fix}")
     with torch.no_grad():
         for name, t in state["model"].items():
             params[name].copy_(t.to(params[name].device, params[name].dtype))
     return int(state["step"])
+
+
+def _best_state_problem(state: Any, params: dict[str, torch.Tensor]) -> Optional[str]:
+    """What keeps a best file's ``state`` from loading into the drafter of ``params``: key ``step`` / ``model``
+    missing, or a tensor the drafter has not or of another shape (named); None when it loads."""
+    missing = next(
+        (k for k in ("step", "model") if not isinstance(state, dict) or k not in state), None
+    )
+    if missing:
+        return f"key '{missing}' missing"
+    misfit = (
+        n
+        for n, t in state["model"].items()
+        if n not in params or tuple(params[n].shape) != tuple(t.shape)
+    )
+    name = next(misfit, None)
+    return None if name is None else f"tensor '{name}' does not fit the drafter"
 
 
 def load_best_for_export(

@@ -42,3 +42,24 @@ def test_verifier_width_refusal_names_the_source_when_given():
         "drafter.hidden_size: 32 differs from the verifier hidden size 16; the drafter reuses the verifier's "
         "token embedding: set drafter.hidden_size: 16 (or null, the verifier's)"
     )
+
+
+def test_best_file_that_does_not_load_is_one_line_with_the_fix(tmp_path):
+    from torch import nn
+
+    from eagle3.train.sim_accept import _load_best_into
+
+    drafter, path = nn.Linear(4, 2), tmp_path / "best_drafter.pt"
+    torch.save({"model": {}}, path)
+    with pytest.raises(UserError) as e:
+        _load_best_into(path, drafter, "delete the file and re-run")
+    assert str(e.value) == f"{path}: key 'step' missing; delete the file and re-run"
+    torch.save({"step": 3, "model": {"weight": torch.zeros(2, 5)}}, path)
+    with pytest.raises(UserError) as e:
+        _load_best_into(path, drafter, "delete the file and re-run")
+    assert (
+        str(e.value)
+        == f"{path}: tensor 'weight' does not fit the drafter; delete the file and re-run"
+    )
+    torch.save({"step": 3, "model": {"weight": torch.ones(2, 4)}}, path)
+    assert _load_best_into(path, drafter, "x") == 3 and bool((drafter.weight == 1).all())
