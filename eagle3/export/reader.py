@@ -74,13 +74,10 @@ def check_export_folder(
     engine, _args = _args_from_config(cfg, cfg_path)
     ids = _config_layer_ids(cfg, engine, cfg_path)
     block = _recorded_block(cfg, root)
-    if serving_engine is not None and serving_engine != engine:
-        raise UserError(
-            f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
-            f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
-            f"{serving_engine} export: {reexport_hint(root, serving_engine)}"
-        )
     arch = (block or {}).get("verifier_architecture") or verifier_architecture
+    problem = _layers_problem(cfg_path, engine, ids, block, arch, serving_engine)
+    if problem:
+        raise UserError(problem)
     aux_hf, warnings = _captured_layers(cfg_path, engine, ids, block, arch)
     if (
         shards_aux_hf is not None
@@ -99,6 +96,42 @@ def check_export_folder(
     }
 
 
+def _layers_problem(
+    cfg_path: Path,
+    engine: str,
+    ids: Optional[list[int]],
+    block: Optional[dict],
+    arch: Optional[str],
+    serving_engine: Optional[str],
+) -> Optional[str]:
+    """Why the folder's ``engine`` and its layer ``ids`` cannot be served as they stand, or None: another engine
+    (``serving_engine``) serves it; the recorded block (:func:`_recorded_block`) names another engine than the
+    format; ``ids`` are not the engine's ids for the block's HF layers (``arch``: the verifier architecture)."""
+    root = cfg_path.parent
+    if serving_engine is not None and serving_engine != engine:
+        return (
+            f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
+            f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
+            f"{serving_engine} export: {reexport_hint(root, serving_engine)}"
+        )
+    if block is None:
+        return None
+    if block["engine"] != engine:
+        return (
+            f"{block['source']}: key 'engine' is {block['engine']!r} but {cfg_path} is in the {engine} "
+            f"format; the folder mixes two exports (re-export with --engine {block['engine']})"
+        )
+    aux_hf = [int(i) for i in block["aux_layers_hf"]]
+    want = engine_layer_ids(aux_hf, engine, str(arch)) if arch is not None else ids
+    if ids == want:
+        return None
+    return (
+        f"{cfg_path}: layer ids {ids} are not {engine}'s ids for the recorded HF aux layers "
+        f"{aux_hf} (expected {want}: {layer_id_convention(engine, str(arch))}); edited by hand "
+        f"or copied from the {spelled(others(engine))} folder? Re-export with --engine {engine}"
+    )
+
+
 def _captured_layers(
     cfg_path: Path,
     engine: str,
@@ -107,37 +140,18 @@ def _captured_layers(
     arch: Optional[str],
 ) -> tuple[Optional[list[int]], list[str]]:
     """The HF layers ``engine`` captures for the folder's ``ids`` (None when unknown) and the warnings saying why
-    unknown; the recorded block (:func:`_recorded_block`) must agree with the format and the ids.
-
-    Raises:
-        UserError: the block's engine is not the format's, or ``ids`` are not the engine's ids for its HF layers.
-    """
-    if block is None:
-        if ids is not None and arch is not None:
-            return hf_layers_from_engine(ids, engine, str(arch)), []
-        if ids is None:
-            return None, [
-                f"{cfg_path}: states no aux layer ids; {engine} will use its default layers"
-            ]
-        return None, [
-            f"{cfg_path}: no '{CONFIG_BLOCK}' block and no verifier architecture: cannot tell which "
-            f"verifier layers the {engine} ids {ids} select"
-        ]
-    if block["engine"] != engine:
-        raise UserError(
-            f"{block['source']}: key 'engine' is {block['engine']!r} but {cfg_path} is in the {engine} "
-            f"format; the folder mixes two exports (re-export with --engine {block['engine']})"
-        )
-    aux_hf = [int(i) for i in block["aux_layers_hf"]]
-    if arch is not None:
-        want = engine_layer_ids(aux_hf, engine, str(arch))
-        if ids != want:
-            raise UserError(
-                f"{cfg_path}: layer ids {ids} are not {engine}'s ids for the recorded HF aux layers "
-                f"{aux_hf} (expected {want}: {layer_id_convention(engine, str(arch))}); edited by hand "
-                f"or copied from the {spelled(others(engine))} folder? Re-export with --engine {engine}"
-            )
-    return aux_hf, []
+    unknown; the recorded block (:func:`_recorded_block`) agrees with the format and the ids
+    (:func:`_layers_problem`)."""
+    if block is not None:
+        return [int(i) for i in block["aux_layers_hf"]], []
+    if ids is not None and arch is not None:
+        return hf_layers_from_engine(ids, engine, str(arch)), []
+    if ids is None:
+        return None, [f"{cfg_path}: states no aux layer ids; {engine} will use its default layers"]
+    return None, [
+        f"{cfg_path}: no '{CONFIG_BLOCK}' block and no verifier architecture: cannot tell which "
+        f"verifier layers the {engine} ids {ids} select"
+    ]
 
 
 def reexport_hint(root: Path, engine: str) -> str:
