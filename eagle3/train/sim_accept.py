@@ -152,6 +152,19 @@ class BestTracker:
         if enabled:
             self._load(start_step)
 
+    def _curve_problem(self, old: Any, on_disk: bool) -> Optional[str]:
+        """Why the curve read back (``old``; ``on_disk`` False: there is none, only a best file) cannot be continued,
+        or None: it holds no ``rows`` list, or (``on_disk``) it was measured at other sampling settings."""
+        if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
+            return "key 'rows' missing (delete the file to start the curve again)"
+        was = (float(old.get("temperature", 0.0)), float(old.get("top_p", 1.0)))
+        if not on_disk or was == self._sampling():
+            return None
+        return (
+            f"curve measured at train.select_temperature {was[0]:g}, select_top_p {was[1]:g}, now "
+            f"{self.temperature:g}, {self.top_p:g}; set them back, or delete {CURVE_FILE} and {BEST_FILE}"
+        )
+
     def _load(self, start_step: int) -> None:
         path = self.dir / CURVE_FILE
         best_path = self.dir / BEST_FILE
@@ -162,16 +175,9 @@ class BestTracker:
                 p.unlink(missing_ok=True)
             return
         old = read_json(path) if path.is_file() else {"rows": []}
-        if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
-            raise UserError(
-                f"{path}: key 'rows' missing (delete the file to start the curve again)"
-            )
-        was = (float(old.get("temperature", 0.0)), float(old.get("top_p", 1.0)))
-        if path.is_file() and was != self._sampling():
-            raise UserError(
-                f"{path}: curve measured at train.select_temperature {was[0]:g}, select_top_p {was[1]:g}, now "
-                f"{self.temperature:g}, {self.top_p:g}; set them back, or delete {path.name} and {BEST_FILE}"
-            )
+        problem = self._curve_problem(old, path.is_file())
+        if problem:
+            raise UserError(f"{path}: {problem}")
         if int(old.get("chain", self.chain)) != self.chain:
             log.warning(
                 "%s: curve scored with chain %s, now %d; rescored",

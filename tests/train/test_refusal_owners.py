@@ -63,3 +63,14 @@ def test_best_file_that_does_not_load_is_one_line_with_the_fix(tmp_path):
     )
     torch.save({"step": 3, "model": {"weight": torch.ones(2, 4)}}, path)
     assert _load_best_into(path, drafter, "x") == 3 and bool((drafter.weight == 1).all())
+
+
+def test_curve_without_rows_is_refused_on_resume(tmp_path):
+    from eagle3.train.sim_accept import CURVE_FILE, BestTracker
+
+    (tmp_path / CURVE_FILE).write_text('{"chain": 3}')
+    with pytest.raises(UserError) as e:
+        BestTracker(tmp_path, chain=3, enabled=True, start_step=4)
+    assert str(e.value) == (
+        f"{tmp_path / CURVE_FILE}: key 'rows' missing (delete the file to start the curve again)"
+    )
