@@ -74,3 +74,20 @@ def test_curve_without_rows_is_refused_on_resume(tmp_path):
     assert str(e.value) == (
         f"{tmp_path / CURVE_FILE}: key 'rows' missing (delete the file to start the curve again)"
     )
+
+
+def test_hidden_states_without_their_source_are_refused_naming_the_fix(tmp_path):
+    from eagle3.shards.data_config import FORMAT_TOKENS
+    from eagle3.train.online import check_hidden_states
+
+    ex = SimpleNamespace(backend="sglang", sglang_url=None, capture_dir=None)
+    tokens = {"format": FORMAT_TOKENS}
+    check_hidden_states("online", SimpleNamespace(backend="hf"), tmp_path, tokens)
+    with pytest.raises(UserError) as e:
+        check_hidden_states("offline", ex, tmp_path, tokens)
+    assert str(e.value) == (
+        f"{tmp_path / 'data_config.json'}: key 'format' is {FORMAT_TOKENS!r} (token-only samples, no hidden "
+        "states); set train.hidden_states: online, or re-run 02 with offline"
+    )
+    with pytest.raises(UserError, match=r"^extract.sglang_url / extract.capture_dir: required for"):
+        check_hidden_states("online", ex, None, tokens)
