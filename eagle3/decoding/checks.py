@@ -332,7 +332,6 @@ def check_drafter_vocab(
         UserError: own export whose draft vocab differs from ``data.draft_vocab_size`` or from
             ``vocab_map.pt``; a malformed ``vocab_map.pt`` (as :func:`eagle3.data.vocab.load_vocab_map`).
     """
-    warnings: list[str] = []
     got, want = int(drafter.args.draft_vocab_size), int(draft_vocab_size)
     problem, fix = None, None
     # a plain re-run of 04 into the same train folder is refused (its checkpoints hold the old vocab): name the ways
@@ -351,13 +350,7 @@ def check_drafter_vocab(
             if not torch.equal(vm["d2t"].to(drafter.d2t.device), drafter.d2t):
                 problem = f"{drafter_dir}: drafter's d2t differs from {vm_path} (export from an older stage-03 run?)"
                 fix = f"re-run 03_prepare_data.py with the data settings the drafter was trained under, {new_run}"
-    if problem is None:
-        return warnings
-    if own_export:
-        raise UserError(f"{problem} ({fix}, or pass --drafter to benchmark another drafter)")
-    log.warning(problem)
-    warnings.append(problem)
-    return warnings
+    return [] if problem is None else stale_export(problem, fix, own_export)
 
 
 def check_drafter_shape(section, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
@@ -393,13 +386,26 @@ def check_drafter_shape(section, drafter, drafter_dir: Path, own_export: bool) -
     ]
     if not diffs:
         return []
-    problem = f"{drafter_dir}: the drafter has " + "; ".join(diffs)
+    return stale_export(
+        f"{drafter_dir}: the drafter has " + "; ".join(diffs),
+        "set those drafter fields back to the trained values, or train a drafter of this shape with "
+        "04_train.py into a new train.output_dir",
+        own_export,
+    )
+
+
+def stale_export(problem: str, fix: str, own_export: bool) -> list[str]:
+    """05's rule for a benchmarked drafter that differs from the run config (``problem``; ``fix``: how to make them
+    agree): the run's own export (no ``--drafter``) is stale and refused; a drafter passed with ``--drafter`` may come
+    from another run, and the difference is a warning.
+
+    Returns:
+        ``[problem]`` (also logged).
+
+    Raises:
+        UserError: ``<problem> (<fix>, or pass --drafter to benchmark another drafter)`` for the run's own export.
+    """
     if own_export:
-        raise UserError(
-            problem
-            + " (set those drafter fields back to the trained values, or train a drafter of this "
-            "shape with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
-            "drafter)"
-        )
+        raise UserError(f"{problem} ({fix}, or pass --drafter to benchmark another drafter)")
     log.warning(problem)
     return [problem]

@@ -5,7 +5,7 @@ and the export's loading beside a loaded verifier."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from eagle3.decoding.checks import TRAIN_META
 from eagle3.errors import UserError
@@ -15,13 +15,33 @@ from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
 
 
 def check_drafter_arg(drafter_dir: str | Path) -> Path:
-    """The folder ``--drafter`` names, refused unless it is an exported drafter folder.
+    """The folder ``--drafter`` names, refused unless it is an exported drafter folder (:func:`export_folder`)."""
+    return export_folder(Path(drafter_dir))
+
+
+def export_folder(path: Path, missing_advice: Optional[Callable[[], str]] = None) -> Path:
+    """``path`` when it is an exported drafter folder (it holds the ``config.json`` every export holds).
+
+    ``missing_advice`` None: ``path`` is ``--drafter``'s, and a file, a missing folder or 04's train folder is named
+    with what to pass instead. Else ``path`` is the config's export dir, and ``missing_advice()`` is the line for it
+    not found (:func:`missing_export_advice`). A folder without ``config.json`` is named as such, with the exports it
+    holds when it is an output root (:func:`_not_an_export`).
 
     Raises:
-        UserError: a file, a missing folder, 04's train folder or a folder without ``config.json``, each named with
-            what to pass instead.
+        UserError: one line naming the folder, where it came from and what to pass instead.
     """
-    path = Path(drafter_dir)
+    problem = _folder_problem(path, missing_advice)
+    if problem:
+        raise UserError(problem)
+    return path
+
+
+def _folder_problem(path: Path, missing_advice: Optional[Callable[[], str]]) -> Optional[str]:
+    """:func:`export_folder`'s refusal of ``path``, or None when it is an export."""
+    if missing_advice is not None:
+        if not path.is_dir():
+            return missing_advice()
+        return _not_an_export(path, f"the config's export dir '{path}'")
     hint = f"; {relative_hint(path)}" if relative_hint(path) else ""
     if path.is_file():  # a checkpoint file, not "folder not found"
         problem = (
@@ -36,22 +56,16 @@ def check_drafter_arg(drafter_dir: str | Path) -> Path:
             f"beside it, or export.output_dir), or write it with 04_train.py --export-only"
         )
     else:
-        require_export_config(path, f"--drafter: '{path}'")
-        return path
-    raise UserError(f"--drafter: {problem}")
+        return _not_an_export(path, f"--drafter: '{path}'")
+    return f"--drafter: {problem}"
 
 
-def require_export_config(path: Path, what: str) -> None:
-    """Refuse a folder without the ``config.json`` every export holds, naming it and what it holds instead.
-
-    A shards, data or output-root folder given to ``--drafter`` is named as such; an output root that holds an
-    export is pointed at it.
-
-    Raises:
-        UserError: ``<what> is not an exported drafter folder (no config.json) ...``.
-    """
+def _not_an_export(path: Path, what: str) -> Optional[str]:
+    """``<what> is not an exported drafter folder (no config.json) ...`` for a folder without the ``config.json``
+    every export holds (a shards, data or output-root folder; an output root that holds an export is pointed at it),
+    or None when it has one."""
     if (path / "config.json").is_file():
-        return
+        return None
     inside = sorted(
         p.name
         for p in path.iterdir()
@@ -64,7 +78,7 @@ def require_export_config(path: Path, what: str) -> None:
         else "pass the folder 04 exported (drafter-sglang, or export.output_dir), or write it with "
         "04_train.py --export-only"
     )
-    raise UserError(f"{what} is not an exported drafter folder (no config.json); {hint}")
+    return f"{what} is not an exported drafter folder (no config.json); {hint}"
 
 
 def missing_export_advice(

@@ -57,7 +57,10 @@ def bench_prompts(
         UserError: ``static`` at temperature > 0 or at a batch size other than 1.
     """
     sampler = make_sampler(temperature, top_p, method=rejection_sample_method)
-    mode = _decoder_mode(decoder, batch_size, next(verifier.parameters()).device, sampler)
+    device = next(verifier.parameters()).device
+    mode = resolve_decoder(
+        decoder, batch_size, device, None if sampler is None else sampler.temperature
+    )
     effective = effective_batch_size(batch_size, len(prompts_ids))
     settings = (aux_layers, steps, max_new_tokens, eos_ids)
     static, warm_s = None, 0.0
@@ -81,19 +84,6 @@ def bench_prompts(
         extra["cuda_graphs"] = static.use_graphs
         extra["graph_error"] = static.graph_error
     return {**tally.summary(label, effective, steps, wall, tie_tolerance), **extra}
-
-
-def _decoder_mode(decoder: str, batch_size: int, device, sampler: Optional[Sampler]) -> str:
-    """:func:`~eagle3.decoding.static_decode.resolve_decoder`, except that sampling (``sampler``) runs batched:
-    ``auto`` becomes ``batched``, ``static`` is refused (UserError)."""
-    if sampler is None:
-        return resolve_decoder(decoder, batch_size, device)
-    if decoder == "static":
-        raise UserError(
-            "benchmark.decoder: 'static' decodes at temperature 0 only; use 'batched' or 'auto' with "
-            f"benchmark.temperature {sampler.temperature}"
-        )
-    return resolve_decoder("batched" if decoder == "auto" else decoder, batch_size, device)
 
 
 def _decode_all(static, models, prompts_ids, settings, batch_size, tie_tolerance, bar):

@@ -46,18 +46,25 @@ log = logging.getLogger(__name__)
 ATTN_NAME = "eagle3_static"
 
 
-def resolve_decoder(decoder: str, batch_size: int, device: torch.device) -> str:
-    """``batched`` or ``static`` for ``benchmark.decoder`` (``auto``: static at batch 1 on CUDA).
+def resolve_decoder(
+    decoder: str, batch_size: int, device: torch.device, sampled: Optional[float] = None
+) -> str:
+    """``batched`` or ``static`` for ``benchmark.decoder`` (``auto``: static at batch 1 on CUDA). ``sampled``: the
+    ``benchmark.temperature`` of a sampled run (None at temperature 0), which runs batched (``auto`` too).
 
     Raises:
-        UserError: ``static`` at a batch size other than 1.
+        UserError: ``static`` at temperature > 0, or at a batch size other than 1.
     """
     if decoder == "auto":
-        return "static" if batch_size == 1 and device.type == "cuda" else "batched"
-    if decoder == "static" and batch_size != 1:
-        raise UserError(
-            f"benchmark.decoder: 'static' decodes one prompt at a time; benchmark.batch_size is {batch_size}"
+        cuda_one = batch_size == 1 and device.type == "cuda" and sampled is None
+        return "static" if cuda_one else "batched"
+    if decoder == "static" and (sampled is not None or batch_size != 1):
+        why = (
+            f"decodes at temperature 0 only; use 'batched' or 'auto' with benchmark.temperature {sampled}"
+            if sampled is not None
+            else f"decodes one prompt at a time; benchmark.batch_size is {batch_size}"
         )
+        raise UserError(f"benchmark.decoder: 'static' {why}")
     return decoder
 
 

@@ -171,10 +171,10 @@ def check_export_contract(
             f"do not use the verifier's embedding and would run the draft with a random one; export with "
             f"include_embeddings=True (writes '{EMBED_KEY}')"
         )
+    sd = drafter.state_dict()
+    faults = faults or _tensor_shape_faults(sd, a, vh, vv)
     if faults:
         raise UserError(faults[0])
-    sd = drafter.state_dict()
-    _check_tensor_shapes(sd, a, vh, vv)
     check_vocab_map(
         sd["d2t"],
         sd["t2d"],
@@ -186,13 +186,9 @@ def check_export_contract(
     )
 
 
-def _check_tensor_shapes(sd: dict, a: DrafterArgs, vh: int, vv: int) -> None:
-    """Each tensor of the drafter state ``sd`` has the shape its args ``a`` imply (``vh``/``vv``: the verifier's
-    hidden and vocab sizes, for the messages).
-
-    Raises:
-        UserError: naming the tensor, its shape and the shape required.
-    """
+def _tensor_shape_faults(sd: dict, a: DrafterArgs, vh: int, vv: int) -> list[str]:
+    """One line per tensor of the drafter state ``sd`` whose shape is not the one its args ``a`` imply (``vh``/``vv``:
+    the verifier's hidden and vocab sizes, for the messages), naming the tensor, its shape and the shape required."""
     with torch.device("meta"):
         ref = Eagle3Drafter(a).state_dict()
     why = {
@@ -200,11 +196,10 @@ def _check_tensor_shapes(sd: dict, a: DrafterArgs, vh: int, vv: int) -> None:
         "lm_head.weight": f"[draft_vocab_size, hidden_size] = [{a.draft_vocab_size}, {a.hidden_size}]",
         EMBED_KEY: f"[verifier vocab_size, hidden_size] = [{vv}, {a.hidden_size}]",
     }
-    for key, want in ref.items():
-        if key not in sd:
-            continue  # reported by export_drafter as a missing required tensor
-        if tuple(sd[key].shape) != tuple(want.shape):
-            raise UserError(
-                f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
-                f"{why.get(key, list(want.shape))}"
-            )
+    return [
+        f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
+        f"{why.get(key, list(want.shape))}"
+        for key, want in ref.items()
+        # a key not in sd: reported by export_drafter as a missing required tensor
+        if key in sd and tuple(sd[key].shape) != tuple(want.shape)
+    ]

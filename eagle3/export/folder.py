@@ -101,31 +101,46 @@ def warn_other_run(out: Path, provenance: Optional[dict]) -> None:
         )
 
 
-def check_replaceable(out: Path, engine: str) -> None:
-    """Refuse to replace a folder that is not an export of this project for the same engine.
+def check_replaceable(out: Path, engine: str, field: Optional[str] = None) -> None:
+    """Refuse to replace a folder that is not an export of this project for the same engine, and (with ``field``, the
+    config field that puts ``out`` there: 04's start-up check) a path under a file.
 
     An export replaces ``out`` whole; pointing ``export.output_dir`` at the other engine's folder
     (whose layer ids follow another convention: SGLang's are HF index - 1 for Llama) or at a folder
     of unrelated files would silently destroy it.
 
     Raises:
-        UserError: ``out`` is a file; a non-empty folder without ``eagle3_train.json``; or an export
-            for the other engine.
+        UserError: ``<out>: <why>``: ``out`` is a file; a non-empty folder without ``eagle3_train.json``; an export
+            for the other engine; or (``field``) a parent of ``out`` that is a file.
     """
-    if not out.exists():
-        return
+    problem = _replace_problem(out, engine) if out.exists() else _under_a_file(out, field)
+    if problem:
+        raise UserError(f"{out}: {problem}")
+
+
+def _under_a_file(out: Path, field: Optional[str]) -> Optional[str]:
+    """Why ``out`` (not there) cannot be made: its nearest existing parent is a file (named with ``field``), or None."""
+    parent = next((p for p in out.parents if p.exists()), None)
+    if field is None or parent is None or parent.is_dir():
+        return None
+    return f"{field} is under {parent}, which is a file, not a folder"
+
+
+def _replace_problem(out: Path, engine: str) -> Optional[str]:
+    """Why the existing ``out`` is not this project's export for ``engine``, or None."""
     meta_path = out / META_FILE
     if not out.is_dir() or (not meta_path.is_file() and any(out.iterdir())):
         what = "holds files that are not an eagle3-train export" if out.is_dir() else "is a file"
-        raise UserError(f"{out}: export.output_dir {what}; choose an empty or new folder")
+        return f"export.output_dir {what}; choose an empty or new folder"
     if not meta_path.is_file():
-        return
+        return None
     try:
         old_engine = json.loads(meta_path.read_text()).get("engine")
     except (OSError, ValueError, AttributeError):
         old_engine = None
     if old_engine is not None and old_engine != engine:
-        raise UserError(
-            f"{out}: holds the {old_engine} export; exporting for {engine} there would replace it "
+        return (
+            f"holds the {old_engine} export; exporting for {engine} there would replace it "
             f"(set export.output_dir to another folder, e.g. drafter-{engine})"
         )
+    return None

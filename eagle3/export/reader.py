@@ -74,13 +74,10 @@ def check_export_folder(
     engine, _args = _args_from_config(cfg, cfg_path)
     ids = _config_layer_ids(cfg, engine, cfg_path)
     block = _recorded_block(cfg, root)
-    if serving_engine is not None and serving_engine != engine:
-        raise UserError(
-            f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
-            f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
-            f"{serving_engine} export: {reexport_hint(root, serving_engine)}"
-        )
     arch = (block or {}).get("verifier_architecture") or verifier_architecture
+    problem = _layers_problem(cfg_path, engine, ids, block, arch, serving_engine)
+    if problem:
+        raise UserError(problem)
     aux_hf, warnings = _captured_layers(cfg_path, engine, ids, block, arch)
     if (
         shards_aux_hf is not None
@@ -99,6 +96,42 @@ def check_export_folder(
     }
 
 
+def _layers_problem(
+    cfg_path: Path,
+    engine: str,
+    ids: Optional[list[int]],
+    block: Optional[dict],
+    arch: Optional[str],
+    serving_engine: Optional[str],
+) -> Optional[str]:
+    """Why the folder's ``engine`` and its layer ``ids`` cannot be served as they stand, or None: another engine
+    (``serving_engine``) serves it; the recorded block (:func:`_recorded_block`) names another engine than the
+    format; ``ids`` are not the engine's ids for the block's HF layers (``arch``: the verifier architecture)."""
+    root = cfg_path.parent
+    if serving_engine is not None and serving_engine != engine:
+        return (
+            f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
+            f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
+            f"{serving_engine} export: {reexport_hint(root, serving_engine)}"
+        )
+    if block is None:
+        return None
+    if block["engine"] != engine:
+        return (
+            f"{block['source']}: key 'engine' is {block['engine']!r} but {cfg_path} is in the {engine} "
+            f"format; the folder mixes two exports (re-export with --engine {block['engine']})"
+        )
+    aux_hf = [int(i) for i in block["aux_layers_hf"]]
+    want = engine_layer_ids(aux_hf, engine, str(arch)) if arch is not None else ids
+    if ids == want:
+        return None
+    return (
+        f"{cfg_path}: layer ids {ids} are not {engine}'s ids for the recorded HF aux layers "
+        f"{aux_hf} (expected {want}: {layer_id_convention(engine, str(arch))}); edited by hand "
+        f"or copied from the {spelled(others(engine))} folder? Re-export with --engine {engine}"
+    )
+
+
 def _captured_layers(
     cfg_path: Path,
     engine: str,
@@ -107,37 +140,18 @@ def _captured_layers(
     arch: Optional[str],
 ) -> tuple[Optional[list[int]], list[str]]:
     """The HF layers ``engine`` captures for the folder's ``ids`` (None when unknown) and the warnings saying why
-    unknown; the recorded block (:func:`_recorded_block`) must agree with the format and the ids.
-
-    Raises:
-        UserError: the block's engine is not the format's, or ``ids`` are not the engine's ids for its HF layers.
-    """
-    if block is None:
-        if ids is not None and arch is not None:
-            return hf_layers_from_engine(ids, engine, str(arch)), []
-        if ids is None:
-            return None, [
-                f"{cfg_path}: states no aux layer ids; {engine} will use its default layers"
-            ]
-        return None, [
-            f"{cfg_path}: no '{CONFIG_BLOCK}' block and no verifier architecture: cannot tell which "
-            f"verifier layers the {engine} ids {ids} select"
-        ]
-    if block["engine"] != engine:
-        raise UserError(
-            f"{block['source']}: key 'engine' is {block['engine']!r} but {cfg_path} is in the {engine} "
-            f"format; the folder mixes two exports (re-export with --engine {block['engine']})"
-        )
-    aux_hf = [int(i) for i in block["aux_layers_hf"]]
-    if arch is not None:
-        want = engine_layer_ids(aux_hf, engine, str(arch))
-        if ids != want:
-            raise UserError(
-                f"{cfg_path}: layer ids {ids} are not {engine}'s ids for the recorded HF aux layers "
-                f"{aux_hf} (expected {want}: {layer_id_convention(engine, str(arch))}); edited by hand "
-                f"or copied from the {spelled(others(engine))} folder? Re-export with --engine {engine}"
-            )
-    return aux_hf, []
+    unknown; the recorded block (:func:`_recorded_block`) agrees with the format and the ids
+    (:func:`_layers_problem`)."""
+    if block is not None:
+        return [int(i) for i in block["aux_layers_hf"]], []
+    if ids is not None and arch is not None:
+        return hf_layers_from_engine(ids, engine, str(arch)), []
+    if ids is None:
+        return None, [f"{cfg_path}: states no aux layer ids; {engine} will use its default layers"]
+    return None, [
+        f"{cfg_path}: no '{CONFIG_BLOCK}' block and no verifier architecture: cannot tell which "
+        f"verifier layers the {engine} ids {ids} select"
+    ]
 
 
 def reexport_hint(root: Path, engine: str) -> str:
@@ -261,16 +275,11 @@ def load_exported(
     cfg_path, engine, args, wpath, warnings = preflight_export(path)
     for w in warnings:
         log.warning("%s", w)
-    fmt = FORMATS[engine]
-    tensors = _read_tensors(wpath, fmt)
-    _fill_vocab_map(tensors, args, fmt, wpath, cfg_path)
-    _check_tensor_names(tensors, args, fmt, wpath)
-    _pick_upper_norms(tensors, args, fmt, wpath)
-    drafter = Eagle3Drafter(args)
+    tensors = _read_tensors(wpath, FORMATS[engine])
+    problem, drafter = _fit_tensors(tensors, args, FORMATS[engine], (wpath, cfg_path), embed_weight)
+    if problem:
+        raise UserError(f"{wpath}: {problem}")
     sd = drafter.state_dict()
-    _check_shapes(tensors, sd, wpath)
-    if EMBED_KEY not in tensors:
-        tensors[EMBED_KEY] = _verifier_embedding(embed_weight, sd, args, wpath, cfg_path)
     check_vocab_map(
         tensors["d2t"],
         tensors["t2d"],
@@ -302,50 +311,80 @@ def _read_tensors(wpath: Path, fmt: ModuleType) -> dict[str, torch.Tensor]:
     }
 
 
-def _fill_vocab_map(
-    tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: Path, cfg_path: Path
-) -> None:
-    """A full-vocab folder without ``d2t``/``t2d`` gets the identity map (as both engines use it).
+def _fit_tensors(
+    tensors: dict,
+    args: DrafterArgs,
+    fmt: ModuleType,
+    paths: tuple[Path, Path],
+    embed_weight: Optional[torch.Tensor],
+) -> tuple[Optional[str], Optional[Eagle3Drafter]]:
+    """The folder's ``tensors`` (``paths``: its weights file and ``config.json``) made the state of the drafter its
+    config implies (in place: the identity vocab map of a full-vocab folder, the upper layers' norm its engine
+    applies, ``embed_weight`` where the folder stores no embedding).
 
-    Raises:
-        UserError: a ``d2t`` where the folder's engine refuses one (:data:`VOCAB_MAP_REFUSAL` of its format).
+    Returns:
+        ``(None, the drafter to copy them into)``, or ``(the first fault, None)``: a ``d2t`` where the folder's
+        engine refuses one, a missing or unexpected tensor, a tensor of another shape, no embedding to use.
     """
-    full_vocab = args.draft_vocab_size == args.target_vocab_size
-    if not fmt.writes_vocab_map(args.draft_vocab_size, args.target_vocab_size) and "d2t" in tensors:
-        raise UserError(
-            f"{wpath}: tensor 'd2t' in a full-vocab folder ({cfg_path.name} draft_vocab_size = vocab_size = "
-            f"{args.draft_vocab_size}): {LABELS[fmt.ENGINE]} refuses it ({fmt.VOCAB_MAP_REFUSAL}); re-export "
-            f"with 04_train.py --export-only --engine {fmt.ENGINE}"
-        )
-    if full_vocab and "d2t" not in tensors and "t2d" not in tensors:
+    wpath, cfg_path = paths
+    problem = _stray_vocab_map(tensors, args, fmt, cfg_path)
+    if problem:
+        return problem, None
+    # a full-vocab folder without a map: the identity, as both engines use it
+    if args.draft_vocab_size == args.target_vocab_size and not {"d2t", "t2d"} & set(tensors):
         tensors["d2t"] = torch.zeros(args.draft_vocab_size, dtype=torch.int64)
         tensors["t2d"] = torch.ones(args.target_vocab_size, dtype=torch.bool)
+    problem = _tensor_names_problem(tensors, args, fmt)
+    if problem:
+        return problem, None
+    _pick_upper_norms(tensors, args, fmt, wpath)
+    drafter = Eagle3Drafter(args)
+    sd = drafter.state_dict()
+    problem = next(
+        (
+            f"tensor '{k}' has shape {list(v.shape)}, config implies {list(sd[k].shape)}"
+            for k, v in tensors.items()
+            if tuple(v.shape) != tuple(sd[k].shape)
+        ),
+        None,
+    )
+    if problem is None and EMBED_KEY not in tensors:
+        problem = _embedding_problem(embed_weight, sd, args, cfg_path)
+        tensors[EMBED_KEY] = embed_weight  # copied only when it fits (no problem)
+    return (problem, None) if problem else (None, drafter)
 
 
-def _check_tensor_names(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: Path) -> None:
-    """Every required tensor is there (named as the folder names it), none unexpected.
+def _stray_vocab_map(
+    tensors: dict, args: DrafterArgs, fmt: ModuleType, cfg_path: Path
+) -> Optional[str]:
+    """The fault of a ``d2t`` in a full-vocab folder whose engine refuses one (:data:`VOCAB_MAP_REFUSAL` of its
+    format), or None."""
+    if fmt.writes_vocab_map(args.draft_vocab_size, args.target_vocab_size) or "d2t" not in tensors:
+        return None
+    return (
+        f"tensor 'd2t' in a full-vocab folder ({cfg_path.name} draft_vocab_size = vocab_size = "
+        f"{args.draft_vocab_size}): {LABELS[fmt.ENGINE]} refuses it ({fmt.VOCAB_MAP_REFUSAL}); re-export "
+        f"with 04_train.py --export-only --engine {fmt.ENGINE}"
+    )
 
-    Raises:
-        UserError: the first missing tensor (for ``d2t``, why it is needed), else the first unexpected one.
-    """
+
+def _tensor_names_problem(tensors: dict, args: DrafterArgs, fmt: ModuleType) -> Optional[str]:
+    """The first required tensor missing (named as the folder names it; for ``d2t``, why it is needed), else the
+    first unexpected one, or None."""
     want = required_keys(
         "sglang", args.variant, args.num_layers, layer_keys(args)
     )  # the drafter's names
     missing = [k for k in want if k not in tensors]
     extra = sorted(set(tensors) - set(want) - {EMBED_KEY})
-    if missing or extra:
+    if missing:
         why = (
             f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
             f"engine takes every draft id for the target id of the same number)"
-            if missing[:1] == ["d2t"]
+            if missing[0] == "d2t"
             else ""
         )
-        fault = (
-            f"missing required tensor '{missing[0].replace('midlayer.', fmt.LAYER0, 1)}'{why}"
-            if missing
-            else f"unexpected tensor '{extra[0]}'"
-        )
-        raise UserError(f"{wpath}: {fault}")
+        return f"missing required tensor '{missing[0].replace('midlayer.', fmt.LAYER0, 1)}'{why}"
+    return f"unexpected tensor '{extra[0]}'" if extra else None
 
 
 def _pick_upper_norms(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: Path) -> None:
@@ -369,41 +408,25 @@ def _pick_upper_norms(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath: 
         tensors[pre + "input_layernorm.weight"] = weight  # the drafter's name (Eagle3UpperLayer)
 
 
-def _check_shapes(tensors: dict, sd: dict, wpath: Path) -> None:
-    """Each tensor has the shape the config implies (``sd``: the drafter's state).
-
-    Raises:
-        UserError: naming the tensor, its shape and the implied one.
-    """
-    for k, v in tensors.items():
-        if tuple(v.shape) != tuple(sd[k].shape):
-            raise UserError(
-                f"{wpath}: tensor '{k}' has shape {list(v.shape)}, config implies {list(sd[k].shape)}"
-            )
-
-
-def _verifier_embedding(
-    embed_weight: Optional[torch.Tensor], sd: dict, args: DrafterArgs, wpath: Path, cfg_path: Path
-) -> torch.Tensor:
-    """``embed_weight`` for a folder without ``embed_tokens.weight``.
-
-    Raises:
-        UserError: none given, or of another shape than the config implies.
-    """
+def _embedding_problem(
+    embed_weight: Optional[torch.Tensor], sd: dict, args: DrafterArgs, cfg_path: Path
+) -> Optional[str]:
+    """Why ``embed_weight`` cannot stand for the ``embed_tokens.weight`` a folder does not store (none given, or of
+    another shape than the config implies), or None."""
     want = list(sd[EMBED_KEY].shape)
-    if embed_weight is None or list(embed_weight.shape) != want:
-        hint = (
-            f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
-            f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
-            if args.hidden_size != args.target_hidden_size
-            else ""
-        )
-        got = "not given" if embed_weight is None else f"of shape {list(embed_weight.shape)}"
-        raise UserError(
-            f"{wpath}: no '{EMBED_KEY}' stored and embed_weight is {got}; pass the verifier's embedding of shape "
-            f"{want} ({cfg_path.name} implies it){hint}"
-        )
-    return embed_weight
+    if embed_weight is not None and list(embed_weight.shape) == want:
+        return None
+    hint = (
+        f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
+        f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
+        if args.hidden_size != args.target_hidden_size
+        else ""
+    )
+    got = "not given" if embed_weight is None else f"of shape {list(embed_weight.shape)}"
+    return (
+        f"no '{EMBED_KEY}' stored and embed_weight is {got}; pass the verifier's embedding of shape "
+        f"{want} ({cfg_path.name} implies it){hint}"
+    )
 
 
 def _read_config_json(root: Path) -> tuple[Path, dict]:

@@ -146,8 +146,8 @@ def _load_verifier(vcfg) -> tuple[Any, Any, torch.device]:
 
 
 def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Path:
-    """The drafter folder stage 05 benchmarks: ``--drafter`` when given (:func:`eagle3.decoding.drafter_folder.check_drafter_arg`),
-    else the config's ``export_dir``.
+    """The drafter folder stage 05 benchmarks: ``--drafter`` when given, else the config's ``export_dir``
+    (:func:`eagle3.decoding.drafter_folder.export_folder`).
 
     Raises:
         UserError: the folder is missing or no export; the message names where it came from.
@@ -155,13 +155,12 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
     if drafter_dir:
         return drafter_folder.check_drafter_arg(drafter_dir)
     path = Path(cfg.export_dir)
-    if not path.is_dir():
-        advice = drafter_folder.missing_export_advice(
+    return drafter_folder.export_folder(
+        path,
+        lambda: drafter_folder.missing_export_advice(
             path, cfg.train_dir, cfg.export.engine, cfg.root, cfg.export.output_dir
-        )
-        raise UserError(advice)
-    drafter_folder.require_export_config(path, f"the config's export dir '{path}'")
-    return path
+        ),
+    )
 
 
 def check_before_load(

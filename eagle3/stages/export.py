@@ -60,24 +60,19 @@ REDO_HINT = (
 
 def check_export_destination(out: Path, engine: str, field: str = "export.output_dir") -> None:
     """04's start-up check of where the export will go (``04_train.py`` calls it before training): the refusals of
-    :func:`eagle3.export.folder.check_replaceable`, and a path under a file, so that they do not come only after the
-    whole training.
+    :func:`eagle3.export.folder.check_replaceable` (a path under a file included), so that they do not come only
+    after the whole training.
 
     ``field``: the config field that puts ``out`` there (``RunConfig.output_field("export")``), for the messages.
 
     Raises:
-        UserError: as :func:`eagle3.export.folder.check_replaceable`; a parent of ``out`` that is a file; or a folder
-            above ``out`` that cannot be made (:func:`eagle3.io.probe_dirs`: ``<field>: cannot create the output
-            folder ...``).
+        UserError: as :func:`eagle3.export.folder.check_replaceable` (a parent of ``out`` that is a file named
+            with ``field``); or a folder above ``out`` that cannot be made (:func:`eagle3.io.probe_dirs`:
+            ``<field>: cannot create the output folder ...``).
     """
     out = Path(out)
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"{out}: {field} is under {parent}, which is a file, not a folder")
-            break
+    check_replaceable(out, engine, field)
     probe_dirs(out.parent, field)  # the export is made beside it and renamed
-    check_replaceable(out, engine)
 
 
 def check_export_serves(cfg: RunConfig) -> Optional[str]:
@@ -332,28 +327,18 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
 
     Raises:
         UserError: missing target head / vocab map, no data_config.json and no record of it
-            (:func:`shards_data_config`), other trained inputs (:func:`eagle3.train.resume_checks.require_export_inputs`), a drafter shape
-            that disagrees with the vocab map or with the config's ``drafter.*``
-            (:func:`eagle3.train.resume_checks.check_drafter_args`), or a missing/unexpected state key.
+            (:func:`shards_data_config`), other trained inputs, a drafter shape that disagrees with the vocab map or
+            with the config's ``drafter.*`` (one line, :func:`_trained_inputs_problem`), or a missing/unexpected
+            state key.
     """
     data_config = shards_data_config(cfg, path, state)
     vocab = load_run_vocab_map(
         cfg.data_dir, cfg.data.draft_vocab_size, int(data_config["vocab_size"])
     )
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
-    resume_checks.require_export_inputs(
-        path, state.get("data_inputs"), vocab, data_config, cfg.data_dir
-    )
-    if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
-        raise UserError(
-            f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
-            f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})"
-        )
-    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab))
-    saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
-    resume_checks.check_drafter_args(
-        path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"}
-    )
+    problem = _trained_inputs_problem(cfg, path, state, args, (vocab, data_config))
+    if problem:
+        raise UserError(f"{path}: {problem}")
     args = _with_config_context(cfg, args)
     drafter = init_drafter(args, TargetHead.load(cfg.train_dir), vocab, seed=0)
     missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
@@ -362,6 +347,32 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
         key = sorted(unexpected or (trainable & set(missing)))[0]
         raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
     return drafter, data_config
+
+
+def _trained_inputs_problem(
+    cfg: RunConfig, path: Path, state: dict, args: DrafterArgs, inputs: tuple[dict, dict]
+) -> Optional[str]:
+    """The first way the checkpoint (``path``, loaded as ``state``, its ``args``) was not trained on this run's
+    ``inputs`` (vocab map, the shards' data_config) or shape, or None: other data inputs
+    (:func:`eagle3.train.resume_checks.export_inputs_problem`), a draft vocab size not the vocab map's, a drafter
+    shape not the config's ``drafter.*`` (:func:`eagle3.train.resume_checks.drafter_args_problem`;
+    ``max_position_embeddings`` may differ: only the exported config changes, :func:`_with_config_context`)."""
+    vocab, data_config = inputs
+    problem = resume_checks.export_inputs_problem(
+        path, state.get("data_inputs"), vocab, data_config, cfg.data_dir
+    )
+    if problem:
+        return problem
+    if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
+        return (
+            f"drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
+            f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})"
+        )
+    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab))
+    saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
+    return resume_checks.drafter_args_problem(
+        saved, {k: v for k, v in want.items() if k != "max_position_embeddings"}
+    )
 
 
 def _select_weights(cfg: RunConfig, drafter, path: Path, step: int) -> int:

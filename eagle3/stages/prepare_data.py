@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -75,41 +76,38 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         return prepare(cfg, plot=plot, revalidate=revalidate)
 
 
-def check_not_being_extracted(shards: Path) -> None:
-    """Stop 03 while 02 is still writing ``shards`` (it holds ``{shards}/.extract.lock``, :data:`EXTRACT_LOCK`): 03
-    would validate the half-written set and record a failed validation of it. A lock file left by a
-    02 that died is not held (:func:`eagle3.io.lock.lock_held`: the OS released its ``flock``) and does not stop 03.
+def check_shards_stable(
+    shards: Path, fingerprint: Optional[str] = None, out: Optional[Path] = None
+) -> None:
+    """That the shard set 03 reads is not being written: no 02 holds ``{shards}/.extract.lock`` (:data:`EXTRACT_LOCK`:
+    03 would validate a half-written set and record a failed validation of it; a lock file left by a 02 that died is
+    not held, :func:`eagle3.io.lock.lock_held`: the OS released its ``flock``) and, with ``fingerprint`` (taken before
+    the validation pass: :func:`eagle3.data.validation_record.fingerprint_now`; before 03 writes its outputs to
+    ``out``), the set is still the one it read. 03 checks both again before writing, so a 02 started on the same
+    shards folder during 03's pass (minutes on a large set) is noticed and no vocab map or split of a set 02 was
+    changing is published.
 
     Raises:
-        UserError: ``<shards>/.extract.lock: 02_extract_hidden is still writing the shards in <shards> ...``.
+        UserError: one line, ``<shards>/.extract.lock: 02_extract_hidden is still writing the shards in <shards> ...``
+            (a 02 runs now), or ``<shards>: the shard set changed while 03_prepare_data read it ...`` (a 02 ran, or
+            shards were added, removed or rewritten); nothing is written to ``out``.
     """
     lock = Path(shards) / EXTRACT_LOCK
     if lock_held(lock):
-        raise UserError(
+        problem = (
             f"{lock}: 02_extract_hidden is still writing the shards in {shards} (it holds this lock); "
             f"wait for it to end, then run 03_prepare_data.py (a half-written shard set would fail "
             f"validation)"
         )
-
-
-def check_shards_unchanged(shards: Path, fingerprint: str, out: Path) -> None:
-    """Before 03 writes its outputs: the shard set is still the one it read (``fingerprint``, taken before the
-    validation pass: :func:`eagle3.data.validation_record.fingerprint_now`) and no 02 holds its lock now. 03 checked
-    02's lock only at its start, so a 02 started on the same shards folder during 03's pass (minutes on a large set)
-    was not noticed and 03 published a vocab map and split of a set 02 was changing.
-
-    Raises:
-        UserError: one line, ``<shards>/.extract.lock: 02_extract_hidden is still writing ...`` (a 02 runs now), or
-            ``<shards>: the shard set changed while 03_prepare_data read it ...`` (a 02 ran, or shards were added,
-            removed or rewritten); nothing is written to ``out``.
-    """
-    check_not_being_extracted(shards)
-    if fingerprint_now(shards) != fingerprint:
-        raise UserError(
+    elif fingerprint is not None and fingerprint_now(shards) != fingerprint:
+        problem = (
             f"{shards}: the shard set changed while 03_prepare_data read it (shards, {MANIFEST} or "
             f"{DATA_CONFIG} written since it started: a 02_extract_hidden run there?); nothing written to "
             f"{out}; run 03_prepare_data.py again once 02 has finished"
         )
+    else:
+        return
+    raise UserError(problem)
 
 
 def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
@@ -125,7 +123,7 @@ def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> d
             ``data.draft_vocab_size`` > target vocab; any invalid shard (file + key); shard count/tokens differ
             from ``data_config.json``; no loss-masked token; fewer than 1 training sample; a 02 writing the shards
             at the start or before the outputs are written, or a shard set changed meanwhile
-            (:func:`check_shards_unchanged`: nothing written).
+            (:func:`check_shards_stable`: nothing written).
 
     Returns:
         the report dict (also ``data_report.json``).
@@ -137,7 +135,7 @@ def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> d
     d2t, t2d = build_vocab_map(freq, cfg.data.draft_vocab_size)
     cov = coverage(freq, t2d)
     split, train_all, excluded = _split(cfg, paths, stats)
-    check_shards_unchanged(shards, fp, out)  # a 02 started meanwhile: publish nothing
+    check_shards_stable(shards, fp, out)  # a 02 started meanwhile: publish nothing
     make_dirs(out, cfg.output_field("data"))
     report = {
         "shards_dir": str(shards),
@@ -179,7 +177,7 @@ def _read_shards(cfg: RunConfig) -> tuple[dict, list[tuple[int, Path]]]:
     there, the verifier (first: another verifier explains any other difference) and extract settings match the
     config, ``data.draft_vocab_size`` fits the verifier's vocab, at least one shard."""
     shards = cfg.shards_dir
-    check_not_being_extracted(shards)
+    check_shards_stable(shards)
     meta, meta_path = read_data_config(shards), shards / DATA_CONFIG
     unchecked = check_verifier(cfg.verifier, meta, shards)
     if unchecked:  # weights not comparable (shards without a fingerprint): said

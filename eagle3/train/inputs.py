@@ -31,7 +31,12 @@ from eagle3.train.loop import TTTObjective
 from eagle3.train.online import state_source, unused_shard_states_note
 from eagle3.train.order import TrainData, data_inputs, data_order
 from eagle3.train.schedule import build_scheduler
-from eagle3.train.warm_start import init_drafter, warm_start, warm_start_planned
+from eagle3.train.warm_start import (
+    init_drafter,
+    require_verifier_width,
+    warm_start,
+    warm_start_planned,
+)
 from eagle3.verifier.arch import text_config
 from eagle3.verifier.head import FILENAME as TARGET_HEAD_FILE
 from eagle3.verifier.head import TargetHead, load_target_head_from_safetensors
@@ -153,20 +158,27 @@ def prepare_target_head(s: Setup, data_config: dict, d: Dist) -> TargetHead:
             del model
     d.barrier()
     head = TargetHead.load(path)
-    if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(
-        data_config["vocab_size"]
-    ):
-        raise UserError(
-            f"{path}: head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
-            f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']} (delete it to re-extract)"
-        )
-    want_post = data_config["last_hidden_state"] == "post_norm"
-    if head.last_is_post_norm != want_post:
-        raise UserError(
-            f"{path}: metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
-            f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)"
-        )
+    problem = head_problem(head, data_config)
+    if problem:
+        raise UserError(f"{path}: {problem} (delete it to re-extract)")
     return head
+
+
+def head_problem(head: TargetHead, data_config: dict) -> Optional[str]:
+    """How the extracted verifier head differs from the shards' ``data_config.json`` (its shape ``[vocab_size,
+    hidden_size]``, else which final hidden state its norm applies to), or None when it agrees."""
+    want = (int(data_config["vocab_size"]), int(data_config["hidden_size"]))
+    if (head.vocab_size, head.hidden_size) != want:
+        return (
+            f"head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
+            f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']}"
+        )
+    if head.last_is_post_norm != (data_config["last_hidden_state"] == "post_norm"):
+        return (
+            f"metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
+            f"last_hidden_state={data_config['last_hidden_state']!r}"
+        )
+    return None
 
 
 def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
@@ -250,13 +262,10 @@ def _drafter_and_folder(
     folder check. Returns ``(args, warm)``.
     """
     args = build_drafter_args(s, data_config, vocab)
-    if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head
-        raise UserError(
-            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-            f"{data_config['hidden_size']} ({s.shards_dir / 'data_config.json'}); the drafter reuses "
-            f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
-            f"null, the verifier's)"
-        )
+    # init_drafter's check, before the head
+    require_verifier_width(
+        args.hidden_size, data_config["hidden_size"], str(s.shards_dir / "data_config.json")
+    )
     warm = warm_start_planned(
         s.train.init_from, s.train_dir, d.is_main, resume, args, resume_checks.DRAFTER_CONFIG_KEYS
     )

@@ -251,7 +251,7 @@ class ServerStates(ShardStates):
             from eagle3.capture.multi import sglang_backend
 
             ex = extract
-            _require_servers("online", ex)
+            check_hidden_states("online", ex, None, data_config)
             backend = sglang_backend(
                 ex.sglang_url,
                 ex.capture_dir,
@@ -271,29 +271,33 @@ class ServerStates(ShardStates):
         return CapturedBatches(batches, self.backend, self.hidden_size, self.depth, self.pin)
 
 
-def _require_servers(hidden_states: str, ex) -> None:
-    """UserError when online ``sglang`` training lacks ``extract.sglang_url`` / ``capture_dir``."""
-    if (
-        hidden_states == "online"
-        and ex.backend == "sglang"
-        and not (ex.sglang_url and ex.capture_dir)
-    ):
-        raise UserError(
-            "extract.sglang_url / extract.capture_dir: required for train.hidden_states: online "
-            "with extract.backend: sglang (the capture servers 04 trains from)"
-        )
+def check_hidden_states(
+    hidden_states: str, extract, shards_dir: Optional[Path], data_config: dict
+) -> None:
+    """Before anything heavy, that ``train.hidden_states`` has its source: offline training needs samples with hidden
+    states (not token-only ones, ``data_config`` of ``shards_dir``; None only for ``online``), online training with
+    ``extract.backend: sglang`` the servers the config names (``extract.sglang_url`` and ``extract.capture_dir``).
 
-
-def check_hidden_states(hidden_states: str, extract, shards_dir: Path, data_config: dict) -> None:
-    """Before anything heavy: UserError for offline training on token-only samples (naming ``format`` and both fixes)
-    or online training from servers the config does not name.
+    Raises:
+        UserError: naming ``format`` and both fixes, or the two ``extract`` keys.
     """
     if hidden_states == "offline" and is_token_only(data_config):
-        raise UserError(
+        problem = (
             f"{shards_dir / DATA_CONFIG}: key 'format' is {data_config['format']!r} (token-only "
             "samples, no hidden states); set train.hidden_states: online, or re-run 02 with offline"
         )
-    _require_servers(hidden_states, extract)
+    elif (
+        hidden_states == "online"
+        and extract.backend == "sglang"
+        and not (extract.sglang_url and extract.capture_dir)
+    ):
+        problem = (
+            "extract.sglang_url / extract.capture_dir: required for train.hidden_states: online "
+            "with extract.backend: sglang (the capture servers 04 trains from)"
+        )
+    else:
+        return
+    raise UserError(problem)
 
 
 def unused_shard_states_note(

@@ -121,16 +121,16 @@ def set_stop_at(pos: Any, stop_at: Optional[int], data: Any, epochs: float) -> N
     if stop_at is None:
         return
     if stop_at >= pos.total_steps:
-        raise UserError(
-            f"--stop-at {stop_at}: the schedule has {pos.total_steps} optimizer steps; a stop at or "
-            f"after its end is the whole run (leave --stop-at out, or {_longer_schedule(data, epochs)})"
+        why = (
+            f"the schedule has {pos.total_steps} optimizer steps; a stop at or after its end is the whole run "
+            f"(leave --stop-at out, or {_longer_schedule(data, epochs)})"
         )
-    if stop_at < pos.step:
-        raise UserError(
-            f"--stop-at {stop_at}: the checkpoint resumed from is at step {pos.step}, past it "
-            f"(`--export-only` exports it)"
-        )
-    pos.stop_at = stop_at
+    elif stop_at < pos.step:
+        why = f"the checkpoint resumed from is at step {pos.step}, past it (`--export-only` exports it)"
+    else:
+        pos.stop_at = stop_at
+        return
+    raise UserError(f"--stop-at {stop_at}: {why}")
 
 
 def _longer_schedule(data: Any, epochs: float) -> str:

@@ -344,20 +344,21 @@ def data_inputs_unchecked(
     )
 
 
-def require_export_inputs(
+def export_inputs_problem(
     path: str | os.PathLike,
     saved: Optional[dict],
     vocab: dict,
     data_config: dict,
     data_dir: str | os.PathLike,
-) -> None:
-    """``04 --export-only``'s refusal of a checkpoint (``path``, its ``data_inputs`` ``saved``) trained with another
+) -> Optional[str]:
+    """What ``04 --export-only`` refuses of a checkpoint (``path``, its ``data_inputs`` ``saved``) trained with another
     draft vocab map (``vocab``), other aux layers or another verifier's weights than the shards' ``data_config``
-    (the split is not compared: the weights do not depend on it). A missing record or entry is one warning line
+    (the split is not compared: the weights do not depend on it): each difference named
+    (:func:`data_inputs_problem`), or None. A missing record or entry is one warning line
     (:func:`data_inputs_unchecked`).
 
     Raises:
-        UserError: ``{path}: ...`` naming each difference (:func:`data_inputs_problem`).
+        UserError: a malformed record (:meth:`ResumeRecord.of_state`).
     """
     keys = (VOCAB_FILE, AUX_LAYERS, VERIFIER_WEIGHTS)
     current = {
@@ -369,11 +370,9 @@ def require_export_inputs(
     if unchecked:  # said, not silent
         log.warning("%s", unchecked)
     found = ResumeRecord.of_state({"data_inputs": saved}, path)
-    problem = data_inputs_problem(
+    return data_inputs_problem(
         found, ResumeRecord.of_state({"data_inputs": current}), data_dir, keys
     )
-    if problem:
-        raise UserError(f"{path}: {problem}")
 
 
 def check_resume(

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -152,6 +152,19 @@ class BestTracker:
         if enabled:
             self._load(start_step)
 
+    def _curve_problem(self, old: Any, on_disk: bool) -> Optional[str]:
+        """Why the curve read back (``old``; ``on_disk`` False: there is none, only a best file) cannot be continued,
+        or None: it holds no ``rows`` list, or (``on_disk``) it was measured at other sampling settings."""
+        if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
+            return "key 'rows' missing (delete the file to start the curve again)"
+        was = (float(old.get("temperature", 0.0)), float(old.get("top_p", 1.0)))
+        if not on_disk or was == self._sampling():
+            return None
+        return (
+            f"curve measured at train.select_temperature {was[0]:g}, select_top_p {was[1]:g}, now "
+            f"{self.temperature:g}, {self.top_p:g}; set them back, or delete {CURVE_FILE} and {BEST_FILE}"
+        )
+
     def _load(self, start_step: int) -> None:
         path = self.dir / CURVE_FILE
         best_path = self.dir / BEST_FILE
@@ -162,16 +175,9 @@ class BestTracker:
                 p.unlink(missing_ok=True)
             return
         old = read_json(path) if path.is_file() else {"rows": []}
-        if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
-            raise UserError(
-                f"{path}: key 'rows' missing (delete the file to start the curve again)"
-            )
-        was = (float(old.get("temperature", 0.0)), float(old.get("top_p", 1.0)))
-        if path.is_file() and was != self._sampling():
-            raise UserError(
-                f"{path}: curve measured at train.select_temperature {was[0]:g}, select_top_p {was[1]:g}, now "
-                f"{self.temperature:g}, {self.top_p:g}; set them back, or delete {path.name} and {BEST_FILE}"
-            )
+        problem = self._curve_problem(old, path.is_file())
+        if problem:
+            raise UserError(f"{path}: {problem}")
         if int(old.get("chain", self.chain)) != self.chain:
             log.warning(
                 "%s: curve scored with chain %s, now %d; rescored",
@@ -400,17 +406,31 @@ def _load_best_into(path: Path, drafter: nn.Module, fix: str) -> int:
         state = safe_torch_load(path)
     except UserError as e:
         raise UserError(f"{e}; {fix}") from e
-    for key in ("step", "model"):
-        if not isinstance(state, dict) or key not in state:
-            raise UserError(f"{path}: key '{key}' missing; {fix}")
     params = dict(drafter.named_parameters())
-    for name, t in state["model"].items():
-        if name not in params or tuple(params[name].shape) != tuple(t.shape):
-            raise UserError(f"{path}: tensor '{name}' does not fit the drafter; {fix}")
+    problem = _best_state_problem(state, params)
+    if problem:
+        raise UserError(f"{path}: {problem}; {fix}")
     with torch.no_grad():
         for name, t in state["model"].items():
             params[name].copy_(t.to(params[name].device, params[name].dtype))
     return int(state["step"])
+
+
+def _best_state_problem(state: Any, params: dict[str, torch.Tensor]) -> Optional[str]:
+    """What keeps a best file's ``state`` from loading into the drafter of ``params``: key ``step`` / ``model``
+    missing, or a tensor the drafter has not or of another shape (named); None when it loads."""
+    missing = next(
+        (k for k in ("step", "model") if not isinstance(state, dict) or k not in state), None
+    )
+    if missing:
+        return f"key '{missing}' missing"
+    misfit = (
+        n
+        for n, t in state["model"].items()
+        if n not in params or tuple(params[n].shape) != tuple(t.shape)
+    )
+    name = next(misfit, None)
+    return None if name is None else f"tensor '{name}' does not fit the drafter"
 
 
 def load_best_for_export(

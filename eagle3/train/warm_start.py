@@ -28,15 +28,9 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
         ``Eagle3Drafter`` (float32, CPU).
 
     Raises:
-        UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
-            the verifier's token embedding, so the widths must agree).
+        UserError: the drafter hidden size differs from the verifier's (:func:`require_verifier_width`).
     """
-    if head.embed.shape[1] != args.hidden_size:
-        raise UserError(
-            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-            f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
-            f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)"
-        )
+    require_verifier_width(args.hidden_size, head.embed.shape[1])
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(args).float()
     drafter.load_embeddings(head.embed.float())  # [V, H], frozen
@@ -46,6 +40,22 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
         drafter.lm_head.weight.copy_(head.lm_head.float()[target_ids])  # [dV, H]
     drafter.embed_tokens.weight.requires_grad_(False)
     return drafter
+
+
+def require_verifier_width(hidden_size: int, verifier_hidden: int, source: str = "") -> None:
+    """The drafter's ``hidden_size`` must be the verifier's ``verifier_hidden`` (EAGLE-3 drafters reuse the verifier's
+    token embedding); ``source``: where the verifier's was read, named when given.
+
+    Raises:
+        UserError: ``drafter.hidden_size: <h> differs from the verifier hidden size <v> (<source>); ...``.
+    """
+    if int(hidden_size) != int(verifier_hidden):
+        where = f" ({source})" if source else ""
+        raise UserError(
+            f"drafter.hidden_size: {hidden_size} differs from the verifier hidden size "
+            f"{verifier_hidden}{where}; the drafter reuses the verifier's token embedding: set "
+            f"drafter.hidden_size: {verifier_hidden} (or null, the verifier's)"
+        )
 
 
 def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
@@ -142,75 +152,84 @@ WARM_START_SHAPE = (
 
 def check_init_from(init_from: Optional[str], drafter: dict, config_keys: Collection[str]) -> bool:
     """The warm-start checks made before anything is written: ``init_from`` (``train.init_from``) is an export folder
-    (``config.json`` + ``model.safetensors``) and its recorded ``drafter_args`` (:func:`exported_drafter_args`;
-    absent ``variant`` / ``num_layers`` / ``attention``: the DrafterArgs defaults) hold the shape fields of
-    ``drafter`` (:data:`WARM_START_SHAPE` field -> this run's value; None: not known yet; an MLA drafter's
-    ``num_key_value_heads`` / ``head_dim`` are derived from its sizes, not compared). A field not compared here is
-    left to :func:`warm_start`'s tensor-by-tensor check.
+    (``config.json`` + ``model.safetensors``) and its recorded ``drafter_args``
+    (:class:`eagle3.manifest.DrafterManifest`; absent ``variant`` / ``num_layers`` / ``attention``: the DrafterArgs
+    defaults; no ``drafter_args``: an export of another tool) hold the shape fields of ``drafter``
+    (:data:`WARM_START_SHAPE` field -> this run's value; None: not known yet; an MLA drafter's ``num_key_value_heads``
+    / ``head_dim`` are derived from its sizes, not compared). A field not compared here is left to
+    :func:`warm_start`'s tensor-by-tensor check.
 
     Returns:
         whether a warm start is configured (``init_from`` set).
 
     Raises:
-        UserError: the folder missing or not an export; the first differing field, named ``drafter.<field>`` when
-            one of ``config_keys``, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with num_layers 1,
-            this run trains 2 (drafter.num_layers)``.
+        UserError: the folder missing or not an export (:func:`init_from_not_a_folder`, or ``... is not an exported
+            drafter folder (no config.json; ...)``); a malformed metadata file
+            (:meth:`eagle3.manifest.DrafterManifest.of_folder`); the first differing field, named ``drafter.<field>``
+            when one of ``config_keys``, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with num_layers
+            1, this run trains 2 (drafter.num_layers)``.
     """
     if not init_from:
         return False
-    exported = exported_drafter_args(init_from)
+    problem = _init_from_problem(init_from, drafter, config_keys)
+    if problem:
+        raise UserError(problem)
+    return True
+
+
+def _init_from_problem(
+    init_from: str, drafter: dict, config_keys: Collection[str]
+) -> Optional[str]:
+    """:func:`check_init_from`'s refusal of ``init_from``, or None."""
+    path = Path(init_from)
+    if not path.is_dir():
+        return _not_a_folder(path)
+    missing = next(
+        (n for n in ("config.json", "model.safetensors") if not (path / n).is_file()), None
+    )
+    if missing:
+        return (
+            f"train.init_from: '{init_from}' is not an exported drafter folder (no {missing}; 04 writes one "
+            f"into {{output_root}}/drafter-sglang)"
+        )
+    meta = DrafterManifest.of_folder(path)
+    if meta is None or meta.drafter_args is None:
+        return None
     if drafter.get("attention") == "mla":  # derived from the MLA sizes (eagle3/drafter/mla.py)
         drafter = {k: v for k, v in drafter.items() if k not in ("num_key_value_heads", "head_dim")}
-    have = {"variant": "eagle3", "num_layers": 1, "attention": "llama", **(exported or {})}
-    for key, b in drafter.items() if exported is not None else ():
-        if key in have and b is not None and have[key] != b:
-            where = f"drafter.{key}" if key in config_keys else "from the verifier and its shards"
-            raise UserError(
-                f"train.init_from: '{init_from}' holds a drafter with {key} {have[key]!r}, this run "
-                f"trains {b!r} ({where})"
-            )
-    return True
+    have = {"variant": "eagle3", "num_layers": 1, "attention": "llama", **meta.drafter_args}
+    key = next(
+        (k for k, b in drafter.items() if k in have and b is not None and have[k] != b), None
+    )
+    if key is None:
+        return None
+    where = f"drafter.{key}" if key in config_keys else "from the verifier and its shards"
+    return (
+        f"train.init_from: '{init_from}' holds a drafter with {key} {have[key]!r}, this run "
+        f"trains {drafter[key]!r} ({where})"
+    )
 
 
 def init_from_not_a_folder(path: Path) -> UserError:
     """The error for a ``train.init_from`` that is no folder: missing, or a file (a checkpoint ``step_*.pt`` or a
     ``model.safetensors`` given for its folder)."""
+    return UserError(_not_a_folder(path))
+
+
+def _not_a_folder(path: Path) -> str:
+    """:func:`init_from_not_a_folder`'s line."""
     if not path.exists():
-        return UserError(
-            f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)"
-        )
+        return f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)"
     hint = (
         " (a checkpoint: export it with 04_train.py --export-only, or continue its run with --resume and its "
         "train.output_dir)"
         if path.suffix == ".pt"
         else ""
     )
-    return UserError(
+    return (
         f"train.init_from: '{path}' is a file, not an exported drafter folder; give the folder "
         f"(04's drafter-sglang or drafter-vllm){hint}"
     )
-
-
-def exported_drafter_args(src: str) -> Optional[dict]:
-    """The ``drafter_args`` an export folder records (:class:`eagle3.manifest.DrafterManifest`), after checking
-    that ``src`` is an exported drafter folder (``config.json`` + ``model.safetensors``); None when the metadata is
-    absent or holds no ``drafter_args`` (an export of another tool: left to the tensor-by-tensor check).
-
-    Raises:
-        UserError: the folder is missing or not an export; the metadata is not valid JSON or ``drafter_args`` is not
-            an object (:meth:`eagle3.manifest.DrafterManifest.of_folder`).
-    """
-    path = Path(src)
-    if not path.is_dir():
-        raise init_from_not_a_folder(path)
-    for name in ("config.json", "model.safetensors"):
-        if not (path / name).is_file():
-            raise UserError(
-                f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
-                f"into {{output_root}}/drafter-sglang)"
-            )
-    meta = DrafterManifest.of_folder(path)
-    return meta.drafter_args if meta else None
 
 
 def warm_start_planned(

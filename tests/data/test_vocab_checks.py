@@ -203,6 +203,28 @@ def test_export_only_refuses_a_vocab_map_of_the_same_size_it_was_not_trained_wit
     assert torch.equal(load_file(out / "model.safetensors")["d2t"], trained["d2t"])
 
 
+def test_export_only_refuses_a_checkpoint_without_data_inputs_of_another_draft_size(tmp_path):
+    """A checkpoint that records no data_inputs (written before the record) is compared by its drafter_args: a draft
+    vocab size other than the vocab map's is one line naming both, nothing written."""
+    from eagle3.stages.export import export_from_checkpoint
+    from eagle3.stages.train import run
+
+    path = make_tiny_run(tmp_path, draft_vocab=24, train={"epochs": 1})
+    cfg = load_config(path)
+    run(cfg, stop_after=1, max_steps=2, device="cpu")
+    step = ckpt.ckpt_path(cfg.train_dir, 1)
+    state = torch.load(step, map_location="cpu", weights_only=True)
+    del state["data_inputs"]
+    state["drafter_args"]["draft_vocab_size"] = 20
+    torch.save(state, step)
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(cfg)
+    assert str(e.value) == (
+        f"{step}: drafter_args.draft_vocab_size 20 differs from {cfg.data_dir / 'vocab_map.pt'} (24)"
+    )
+    assert not cfg.export_dir.exists()
+
+
 @pytest.mark.parametrize(
     "key,named",
     [

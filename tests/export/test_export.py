@@ -410,3 +410,23 @@ def test_recorded_block_is_validated_once(tmp_path):
         _recorded_block({"eagle3_train": {**good, "aux_layers_hf": [2, "15", 27]}}, tmp_path)
     with pytest.raises(UserError, match=r"the record should be a JSON object, got list"):
         _recorded_block({"eagle3_train": [2, 15, 27]}, tmp_path)
+
+
+def test_load_refuses_a_tensor_the_config_does_not_imply_and_a_missing_embedding(tmp_path):
+    d = drafter()
+    out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    with pytest.raises(UserError) as e:
+        load_exported(out, embed_weight=torch.zeros(50, 12))
+    assert str(e.value) == (
+        f"{out / 'model.safetensors'}: no 'embed_tokens.weight' stored and embed_weight is of shape [50, 12]; "
+        f"pass the verifier's embedding of shape [50, 24] (config.json implies it)"
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["intermediate_size"] = 48
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError) as e:
+        load_exported(out, embed_weight=d.embed_tokens.weight)
+    assert str(e.value) == (
+        f"{out / 'model.safetensors'}: tensor 'midlayer.mlp.down_proj.weight' has shape [24, 40], config "
+        f"implies [24, 48]"
+    )

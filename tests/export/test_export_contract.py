@@ -766,3 +766,15 @@ def test_sglang_dtype_auto_serves_the_export_as_the_verifier_is_served(
         dtype=export_dtype(export, verifier_dtype),
     )
     assert _sglang_fns()[2](json.loads((out / "config.json").read_text()), "auto") == served
+
+
+def test_tensor_of_another_shape_refused_at_export_naming_the_shape_needed(tmp_path):
+    d = drafter()
+    d.lm_head.weight = nn.Parameter(torch.zeros(16, 12))  # [draft_V, H/2]: not the args' [16, 24]
+    with pytest.raises(UserError) as e:
+        export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    assert str(e.value) == (
+        "drafter tensor 'lm_head.weight': shape [16, 12], EAGLE-3 export needs "
+        "[draft_vocab_size, hidden_size] = [16, 24]"
+    )
+    assert not (tmp_path / "x").exists()
