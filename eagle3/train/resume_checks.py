@@ -170,18 +170,6 @@ def drafter_args_problem(saved: dict, current: dict) -> Optional[str]:
     )
 
 
-def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> None:
-    """Refuse a checkpoint (``path``) whose ``drafter_args`` (``saved``) differ from the configured ``current``.
-
-    Raises:
-        UserError: ``<path>: drafter field 'hidden_size' is 64 in the checkpoint but 32 in the config (...)``, every
-            differing field (:func:`drafter_args_problem`).
-    """
-    problem = drafter_args_problem(saved, current)
-    if problem:
-        raise UserError(f"{path}: {problem}")
-
-
 def global_batch(rec: ResumeRecord, world: int) -> int:
     """Units per optimizer step: samples (``batch_size x grad_accum x processes``) or, under ``train.batch_tokens``,
     token-budget batches (``grad_accum x processes``)."""
