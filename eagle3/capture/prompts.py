@@ -201,7 +201,7 @@ def tokenize(
         conversation ids (first :data:`MAX_SKIPPED_IDS`).
 
     Raises:
-        UserError: template-wide problems, or no sample at all (:func:`_refuse_no_sample`); the conversation
+        UserError: template-wide problems, or no sample at all (:func:`_no_sample_why`); the conversation
             named is the first in file order, whatever the worker count.
     """
     one = functools.partial(
@@ -232,7 +232,7 @@ def tokenize(
                 Sample(len(samples), rec["id"] + s.suffix, list(s.input_ids), list(s.loss_mask))
             )
     if not samples and prompts:
-        _refuse_no_sample(prompts, prompts_path, counts, first_failure)
+        raise UserError(_no_sample_why(prompts, prompts_path, counts, first_failure))
     if counts["split_conversations"]:
         log.info(
             "%d conversations split into %d samples (history rendered differently per turn)",
@@ -242,17 +242,14 @@ def tokenize(
     return samples, counts, skipped
 
 
-def _refuse_no_sample(
+def _no_sample_why(
     prompts: list[dict], prompts_path: Path, counts: Counter, first_failure: Optional[str]
-) -> None:
-    """Refuse a run in which every conversation was skipped (an empty shard set that 03 would refuse).
-
-    Raises:
-        UserError: every conversation failed to render (naming the first), else every one was skipped (the
-            counts per reason and the fix).
-    """
+) -> str:
+    """The one-line refusal of a run in which every conversation was skipped (an empty shard set that 03 would
+    refuse): every conversation failed to render (naming the first), else every one was skipped (the counts per
+    reason and the fix)."""
     if first_failure is not None and counts["skipped_render_failed"] == len(prompts):
-        raise UserError(f"every conversation failed to render; the first: {first_failure}")
+        return f"every conversation failed to render; the first: {first_failure}"
     why = ", ".join(
         f"{k.removeprefix('skipped_').replace('_', ' ')}: {v}"
         for k, v in sorted(counts.items())
@@ -270,7 +267,7 @@ def _refuse_no_sample(
         )
         if counts[k]
     ]
-    raise UserError(
+    return (
         f"{prompts_path}: no sample to capture: every conversation was skipped ({why}; the first at "
         f"line {prompts[0]['line']}, conversation '{prompts[0]['id']}'); "
         + "".join(h + "; " for h in hints)
