@@ -60,19 +60,19 @@ def list_samples(root: str | os.PathLike, at_least_one: bool = False) -> list[tu
     """
     root = Path(root)
     is_dir = root.is_dir()
-    found = _samples_in(root) if is_dir else {}
-    if not is_dir or (at_least_one and not found):
-        raise UserError(f"{root}: {'no shards found' if is_dir else 'shards folder not found'}")
+    found, twice = _samples_in(root) if is_dir else ({}, None)
+    why = twice or (f"{root}: no shards found" if at_least_one and not found else None)
+    if not is_dir or why is not None:
+        raise UserError(why if is_dir else f"{root}: shards folder not found")
     return sorted(found.items())
 
 
-def _samples_in(root: Path) -> dict[int, Path]:
-    """``{idx: path}`` of the finished samples in the folder ``root`` and its ``rows_*`` folders (:func:`list_samples`).
-
-    Raises:
-        UserError: an idx stored twice.
-    """
+def _samples_in(root: Path) -> tuple[dict[int, Path], Optional[str]]:
+    """``({idx: path}, twice)``: the finished samples in the folder ``root`` and its ``rows_*`` folders
+    (:func:`list_samples`), and ``<path>: sample <idx> also stored as <path>`` for the first idx found twice (else
+    None)."""
     found: dict[int, Path] = {}
+    twice: list[str] = []
 
     def visit(folder: Path) -> None:
         for entry in os.scandir(folder):
@@ -83,14 +83,14 @@ def _samples_in(root: Path) -> dict[int, Path]:
             if m and entry.is_file():
                 idx = int(m.group(1))
                 if idx in found:
-                    raise UserError(f"{entry.path}: sample {idx} also stored as {found[idx]}")
-                found[idx] = Path(entry.path)
+                    twice.append(f"{entry.path}: sample {idx} also stored as {found[idx]}")
+                found.setdefault(idx, Path(entry.path))
 
     visit(root)
     for entry in os.scandir(root):
         if entry.is_dir() and _ROWS_RE.match(entry.name):
             visit(Path(entry.path))
-    return found
+    return found, (twice[0] if twice else None)
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -313,3 +313,16 @@ def test_list_samples_refuses_a_missing_folder_and_with_at_least_one_an_empty_se
     with pytest.raises(UserError) as ei:
         list_samples(tmp_path, at_least_one=True)
     assert str(ei.value) == f"{tmp_path}: no shards found"
+
+
+def test_list_samples_refuses_an_idx_stored_twice(tmp_path):
+    """A sample stored flat and nested is refused in one line naming both files (the nested one found second)."""
+    (tmp_path / "data_3.pt").write_bytes(b"")
+    (tmp_path / "rows_0-10").mkdir()
+    (tmp_path / "rows_0-10" / "data_3.pt").write_bytes(b"")
+    for at_least_one in (False, True):
+        with pytest.raises(UserError) as ei:
+            list_samples(tmp_path, at_least_one=at_least_one)
+        assert str(ei.value) == (
+            f"{tmp_path / 'rows_0-10' / 'data_3.pt'}: sample 3 also stored as {tmp_path / 'data_3.pt'}"
+        )
