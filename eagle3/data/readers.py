@@ -463,18 +463,7 @@ def _conversation(
     think_tags: tuple[str, str],
 ) -> Optional[dict]:
     """One record read and normalised: ``{"id", "messages", "tools"?}``, or None when skipped (counted)."""
-    if not isinstance(rec, dict):
-        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    nulls = sorted(str(k) for k, v in rec.items() if v is None)
-    if nulls:  # a null key is an absent one: a HF dataset's column a row lacks, pandas' to_json of mixed rows
-        rec = {k: v for k, v in rec.items() if v is not None}
-    rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
-    if rfmt is None:
-        raise UserError(
-            f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
-            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
-            + (f"; null: {', '.join(nulls)})" if nulls else ")")
-        )
+    rec, rfmt = _record_format(rec, where, fmt)
     forced = (
         ""
         if fmt in ("auto", "hf")
@@ -493,6 +482,31 @@ def _conversation(
         rid = f"{stem}-{where.rsplit(':', 1)[1].strip('[]')}"
     tools = getattr(record, "tools", None)
     return {"id": rid, "messages": msgs, **({"tools": tools} if tools else {})}
+
+
+def _record_format(rec, where: str, fmt: str) -> tuple[dict, str]:
+    """``(record without its null keys, its format)``: ``fmt``, or with ``auto`` / ``hf`` the one its keys show
+    (:func:`detect_format`); a null key is an absent one (a HF dataset's column a row lacks, pandas' to_json of
+    mixed rows).
+
+    Raises:
+        UserError: ``<where>: expected a JSON object, got <type>``, or ``<where>: unrecognised record: ...``
+            naming the keys looked for and those seen (null ones apart).
+    """
+    if not isinstance(rec, dict):
+        why = f"expected a JSON object, got {type(rec).__name__}"
+    else:
+        nulls = sorted(str(k) for k, v in rec.items() if v is None)
+        rec = {k: v for k, v in rec.items() if v is not None}
+        rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
+        if rfmt is not None:
+            return rec, rfmt
+        why = (
+            f"unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
+            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
+            + (f"; null: {', '.join(nulls)})" if nulls else ")")
+        )
+    raise UserError(f"{where}: {why}")
 
 
 def unique_ids(conversations: list[dict]) -> list[dict]:
