@@ -158,15 +158,25 @@ def validate_all(
 
 
 def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
-    meta_path = shards / DATA_CONFIG
-    for key in ("num_samples", "num_tokens", "num_loss_tokens"):
-        if stats[key] != meta[key]:
-            raise UserError(
-                f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
-                + (_sample_set_change(shards) or "(shards added or removed after stage 02?)")
-            )
-    if stats["num_loss_tokens"] == 0:
-        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
+    """Refuse a shard set by its totals (``stats``, from the shards or their validation record).
+
+    Raises:
+        UserError: the first of ``num_samples``, ``num_tokens``, ``num_loss_tokens`` unlike ``data_config.json``'s
+            (with the shards added or missing, :func:`_sample_set_change`), else no loss-masked token at all.
+    """
+    key = next(
+        (k for k in ("num_samples", "num_tokens", "num_loss_tokens") if stats[k] != meta[k]), None
+    )
+    if key is not None:
+        why = (
+            f"{shards / DATA_CONFIG}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
+            + (_sample_set_change(shards) or "(shards added or removed after stage 02?)")
+        )
+    elif stats["num_loss_tokens"] == 0:
+        why = f"{shards}: no loss-masked token in any shard (no assistant replies?)"
+    else:
+        return
+    raise UserError(why)
 
 
 def _sample_set_change(shards: Path) -> Optional[str]:
