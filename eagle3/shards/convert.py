@@ -101,19 +101,27 @@ def convert(
     """
     src, dst = Path(src), Path(dst)
     meta = read_data_config(src)
-    if src.resolve() in (dst.resolve(), *dst.resolve().parents):
-        raise UserError(
-            f"{dst}: the destination must be outside the source folder {src} (conversion is not in place, "
-            "and shards inside it would be read as source shards by later stages); choose another folder"
-        )
-    H = int(meta["hidden_size"])
-    try:
-        storage.num_blocks(H)
-    except ValueError as e:
-        raise UserError(f"--block-size: {e}") from e
+    problem = _arguments_problem(src, dst, storage, int(meta["hidden_size"]))
+    if problem is not None:
+        raise UserError(problem)
     make_dirs(dst, "--dst")
     with exclusive_lock(dst / LOCK, f"another conversion is writing to {dst}"):
         return _convert(src, dst, meta, storage, overwrite, workers, limit)
+
+
+def _arguments_problem(src: Path, dst: Path, storage: Storage, hidden_size: int) -> Optional[str]:
+    """Why :func:`convert` refuses its arguments before anything is written, else None: ``dst`` equal to or inside
+    ``src``, or a per_block ``--block-size`` that does not divide the source's hidden size."""
+    if src.resolve() in (dst.resolve(), *dst.resolve().parents):
+        return (
+            f"{dst}: the destination must be outside the source folder {src} (conversion is not in place, "
+            "and shards inside it would be read as source shards by later stages); choose another folder"
+        )
+    try:
+        storage.num_blocks(hidden_size)
+    except ValueError as e:
+        return f"--block-size: {e}"
+    return None
 
 
 def _convert(
