@@ -653,3 +653,30 @@ def test_a_full_disk_in_03_says_it_starts_over(tmp_path, monkeypatch):
         f"{cfg.data_dir / 'coverage.png'}: disk full (No space left on device)"
     )
     assert str(e.value).endswith("(03 does not resume: it starts over)")
+
+
+def test_exclude_by_id_refusals_name_the_setting_and_the_fix(tmp_path):
+    """``exclude_by_id`` refuses in one line: a manifest missing, one without a training sample's row, or
+    prefixes that drop every training sample."""
+    from eagle3.data.split import exclude_by_id
+
+    man = tmp_path / "manifest.jsonl"
+    with pytest.raises(UserError) as ei:
+        exclude_by_id([0, 1], tmp_path, ["x/"])
+    assert str(ei.value) == (
+        f"data.exclude_id_prefixes: {man} is missing or empty (02 writes it), and the setting needs every "
+        "sample's id; re-run 02_extract_hidden.py to complete it"
+    )
+    man.write_text('{"idx": 0, "id": "x/0", "num_tokens": 3}\n')
+    with pytest.raises(UserError) as ei:
+        exclude_by_id([0, 1], tmp_path, ["x/"])
+    assert str(ei.value) == (
+        f"data.exclude_id_prefixes: {man} has no row for sample 1, and the setting needs every sample's id; "
+        "re-run 02_extract_hidden.py to complete it"
+    )
+    with pytest.raises(UserError) as ei:
+        exclude_by_id([0], tmp_path, ["x/"])
+    assert str(ei.value) == (
+        f"data.exclude_id_prefixes: ['x/'] drops all 1 training samples of {tmp_path}"
+    )
+    assert exclude_by_id([0], tmp_path, ["y/"]) == ([0], {"y/": 0})
