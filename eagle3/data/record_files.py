@@ -23,33 +23,32 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array).
 
     Raises:
-        UserError: ``path`` is no prompts file (:func:`_unreadable`), malformed JSON, a JSON file that holds neither
-            an array nor one record, not UTF-8 or a lone surrogate (:mod:`eagle3.io.read`), a read error.
+        UserError: ``<path>: <why>``: ``path`` is no prompts file (:func:`_unreadable`), a JSON file that holds
+            neither an array nor one record, a read error; malformed JSON, not UTF-8 or a lone surrogate
+            (:mod:`eagle3.io.read`).
     """
     why = _unreadable(path)
-    if why is not None:
-        raise UserError(f"{path}: {why}")
     try:
-        if _name(path).endswith(".jsonl"):
+        if why is None and _name(path).endswith(".jsonl"):
             for lineno, rec in iter_jsonl(path):
                 yield f"{path}:{lineno}", rec
-        else:
+        elif why is None:
             with open_text(path) as f:
                 text = f.read()
             data = parse_json(text, path)
-            if isinstance(data, dict):
-                data = [data]
+            data = [data] if isinstance(data, dict) else data
             if not isinstance(data, list):
-                raise UserError(
-                    f"{path}: expected a JSON array of records, got {type(data).__name__}"
-                )
+                why = f"expected a JSON array of records, got {type(data).__name__}"
+                data = []
             for i, rec in enumerate(data):
                 check_no_lone_surrogate(text, rec, f"{path}:[{i}]")
                 yield f"{path}:[{i}]", rec
     except UnicodeDecodeError as e:  # file:line: not UTF-8 text: byte 0xff at column N
         raise not_utf8_error(path, e) from e
     except (OSError, EOFError) as e:
-        raise UserError(f"{path}: cannot read: {e}") from e
+        why = f"cannot read: {e}"
+    if why is not None:
+        raise UserError(f"{path}: {why}")
 
 
 def _name(path: Path) -> str:

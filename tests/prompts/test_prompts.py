@@ -1464,3 +1464,18 @@ def test_a_path_that_is_no_prompts_file_is_refused_in_one_line(tmp_path):
         with pytest.raises(UserError) as ei:
             list(iter_file(path))
         assert str(ei.value) == f"{path}: {why}"
+
+
+def test_a_prompts_file_that_holds_no_records_is_refused_in_one_line(tmp_path):
+    """``iter_file``'s refusals of the file's content: JSON that is neither an array nor one record, and a file that
+    cannot be read (a ``.gz`` that is not gzip)."""
+    from eagle3.data.record_files import iter_file
+
+    (tmp_path / "n.json").write_text("7")
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(UserError) as ei:
+        list(iter_file(tmp_path / "n.json"))
+    assert str(ei.value) == f"{tmp_path / 'n.json'}: expected a JSON array of records, got int"
+    with pytest.raises(UserError) as ei:
+        list(iter_file(tmp_path / "bad.jsonl.gz"))
+    assert str(ei.value).startswith(f"{tmp_path / 'bad.jsonl.gz'}: cannot read: ")
