@@ -71,17 +71,36 @@ class Manifest(BaseModel):
         Raises:
             UserError: ``<where>: key '<field>': <what is wrong>; re-run <STAGE>``.
         """
-        if not isinstance(record, Mapping):
-            raise UserError(f"{where}: not a JSON object; re-run {cls.STAGE}")
-        try:
-            found = cls.make(
-                **{k: v for k, v in record.items() if k not in ("written_by", "version")}
+        return cls._of_json(record, where, stamped=False)
+
+    @classmethod
+    def _of_json(cls: type[M], raw: Any, where: str | os.PathLike, stamped: bool) -> M:
+        """``raw`` (JSON as read from ``where``) as this manifest: the one place a record is refused.
+
+        Args:
+            stamped: ``raw`` is a manifest file, whose ``written_by`` / ``version`` must be this stage's and version
+                (a fault names its ``field``); else a stage's own record, stamped here (a fault names its ``key``).
+
+        Raises:
+            UserError: ``<where>: not a JSON object`` / ``written by <stage> version <n>, this code reads ...`` /
+                ``<field|key> '<loc>': <what is wrong>``, each ending ``; re-run <STAGE>``.
+        """
+        rerun = f"re-run {cls.STAGE}"
+        if not isinstance(raw, Mapping):
+            raise UserError(f"{where}: not a JSON object; {rerun}")
+        made = (raw.get("written_by"), raw.get("version"))
+        if stamped and made != (cls.STAGE, cls.VERSION):
+            raise UserError(
+                f"{where}: written by {made[0]} version {made[1]}, this code reads {cls.STAGE} version "
+                f"{cls.VERSION}; {rerun}"
             )
+        try:
+            found = cls.make(**{k: v for k, v in raw.items() if k not in ("written_by", "version")})
         except ValidationError as e:
             err = e.errors()[0]
-            raise UserError(
-                f"{where}: key {'.'.join(map(str, err['loc']))!r}: {err['msg']}; re-run {cls.STAGE}"
-            ) from None
+            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            word = "field" if stamped else "key"
+            raise UserError(f"{where}: {word} {loc!r}: {err['msg']}; {rerun}") from None
         found._path = Path(where)
         return found
 
@@ -304,26 +323,11 @@ def read(folder: str | os.PathLike, model: type[M]) -> M:
             missing / of the wrong type (named).
     """
     path = Path(folder) / FILE
-    rerun = f"re-run {model.STAGE}"
     if not path.is_file():
-        raise UserError(f"{folder}: no {FILE} (not made by this version of {model.STAGE}); {rerun}")
-    raw = read_json(path)
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: not a JSON object; {rerun}")
-    made = (raw.get("written_by"), raw.get("version"))
-    if made != (model.STAGE, model.VERSION):
         raise UserError(
-            f"{path}: written by {made[0]} version {made[1]}, this code reads {model.STAGE} version "
-            f"{model.VERSION}; {rerun}"
+            f"{folder}: no {FILE} (not made by this version of {model.STAGE}); re-run {model.STAGE}"
         )
-    try:
-        found = model.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise UserError(f"{path}: field {field!r}: {err['msg']}; {rerun}") from None
-    found._path = path
-    return found
+    return model._of_json(read_json(path), path, stamped=True)
 
 
 def differing(

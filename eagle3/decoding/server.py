@@ -32,8 +32,10 @@ from eagle3.decoding.metrics import rates_from_hist, speedup_warning
 from eagle3.decoding.report import write_server_reports
 from eagle3.decoding.server_vllm import (
     VLLM_REQUEST_KEYS,
+    SGLangAnswer,
     counted,
     http_json,
+    require_answer,
     vllm_counters,
     vllm_generate,
     vllm_run_figures,
@@ -123,15 +125,13 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float
     seconds = time.perf_counter() - t0
     if isinstance(out, list):  # a batched answer for a single prompt: take the first
         out = out[0] if out else {}
-    meta = out.get("meta_info") if isinstance(out, dict) else None
-    if not isinstance(meta, dict) or not isinstance(meta.get("completion_tokens"), int):
-        raise UserError(
-            f"server {url}: /generate response has no meta_info.completion_tokens (is this SGLang?)"
-        )
+    require_answer(
+        out, SGLangAnswer, f"server {url}: /generate", "meta_info.completion_tokens", "SGLang"
+    )
     return {
         "output_ids": out.get("output_ids"),
         "text": out.get("text"),
-        "meta_info": meta,
+        "meta_info": out["meta_info"],
         "seconds": seconds,
     }
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from eagle3.decoding.metrics import rates_from_hist
 from eagle3.errors import UserError
@@ -19,6 +22,42 @@ from eagle3.io.http import request_json, request_text
 def http_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
     """:func:`eagle3.io.http.request_json` with errors named ``server {url}``."""
     return request_json(url, payload, timeout, where=f"server {url}", unreachable="cannot connect")
+
+
+class _Counts(BaseModel):
+    """The token count an engine's completion answer carries (its other keys kept as sent)."""
+
+    model_config = ConfigDict(extra="allow")
+    completion_tokens: StrictInt
+
+
+class SGLangAnswer(BaseModel):
+    """SGLang's ``/generate`` answer, as far as the benchmark reads it: ``meta_info.completion_tokens``."""
+
+    model_config = ConfigDict(extra="allow")
+    meta_info: _Counts
+
+
+class VLLMAnswer(BaseModel):
+    """vLLM's ``/v1/completions`` answer, as far as the benchmark reads it: ``usage.completion_tokens`` and at least
+    one choice."""
+
+    model_config = ConfigDict(extra="allow")
+    usage: _Counts
+    choices: list[dict[str, Any]] = Field(min_length=1)
+
+
+def require_answer(out: Any, model: type[BaseModel], where: str, needs: str, engine: str) -> None:
+    """The one refusal of a completion answer ``out`` that is not a ``model`` (:class:`SGLangAnswer`,
+    :class:`VLLMAnswer`).
+
+    Raises:
+        UserError: ``<where> response has no <needs> (is this <engine>?)``; ``where``: ``server <url>: <endpoint>``.
+    """
+    try:
+        model.model_validate(out)
+    except ValidationError:
+        raise UserError(f"{where} response has no {needs} (is this {engine}?)") from None
 
 
 #: vLLM's spec-decode counters as ``/metrics`` names them (vLLM 0.32 ``v1/spec_decode/metrics.py``; a Prometheus
@@ -137,19 +176,11 @@ def vllm_generate(
     t0 = time.perf_counter()
     out = http_json(url.rstrip("/") + "/v1/completions", payload, timeout)
     seconds = time.perf_counter() - t0
-    usage = out.get("usage") if isinstance(out, dict) else None
-    choices = out.get("choices") if isinstance(out, dict) else None
-    if (
-        not isinstance(usage, dict)
-        or not isinstance(usage.get("completion_tokens"), int)
-        or not choices
-    ):
-        raise UserError(
-            f"server {url}: /v1/completions response has no usage.completion_tokens or choices (is this vLLM?)"
-        )
-    choice = choices[0]
+    where = f"server {url}: /v1/completions"
+    require_answer(out, VLLMAnswer, where, "usage.completion_tokens or choices", "vLLM")
+    choice = out["choices"][0]
     meta = {
-        "completion_tokens": usage["completion_tokens"],
+        "completion_tokens": out["usage"]["completion_tokens"],
         "finish_reason": choice.get("finish_reason"),
     }
     return {

@@ -18,6 +18,7 @@ code predates these keys would load such a folder as EAGLE-3.0: serve 3.1 folder
 from __future__ import annotations
 
 import logging
+from typing import Mapping, Optional
 
 import torch
 
@@ -136,9 +137,14 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
 
 
 def check_export_contract(
-    drafter: Eagle3Drafter, verifier_info: dict, include_embeddings: bool
+    drafter: Eagle3Drafter,
+    verifier_info: dict,
+    include_embeddings: bool,
+    exported: Optional[Mapping[str, str]] = None,
 ) -> None:
-    """Check the drafter/verifier shape contract a serving engine relies on (and does not check).
+    """Check the drafter/verifier shape contract a serving engine relies on (and does not check), and that the
+    drafter state holds every tensor the engine's folder stores (``exported``: export name -> state name,
+    :func:`eagle3.export.writer.export_tensor_names`).
 
     - verifier ``hidden_size`` = the drafter's ``target_hidden_size``; ``fc.weight`` is
       ``[H, 3 x target_hidden_size]`` (three aux states concatenated, SGLang ``llama_eagle3.py``
@@ -153,7 +159,8 @@ def check_export_contract(
       verifier's must be exported with ``include_embeddings=True``.
 
     Raises:
-        UserError: naming the field or tensor, the shape found and the shape required.
+        UserError: naming the field or tensor, the shape found and the shape required; or ``drafter state: missing
+            required tensor '<state name>' (export key '<export name>')``.
     """
     a = drafter.args
     vh, vv = int(verifier_info["hidden_size"]), int(verifier_info["vocab_size"])
@@ -172,7 +179,15 @@ def check_export_contract(
             f"include_embeddings=True (writes '{EMBED_KEY}')"
         )
     sd = drafter.state_dict()
-    faults = faults or _tensor_shape_faults(sd, a, vh, vv)
+    faults = (
+        faults
+        or _tensor_shape_faults(sd, a, vh, vv)
+        or [
+            f"drafter state: missing required tensor '{src}' (export key '{key}')"
+            for key, src in (exported or {}).items()
+            if src not in sd
+        ]
+    )
     if faults:
         raise UserError(faults[0])
     check_vocab_map(
@@ -200,6 +215,6 @@ def _tensor_shape_faults(sd: dict, a: DrafterArgs, vh: int, vv: int) -> list[str
         f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
         f"{why.get(key, list(want.shape))}"
         for key, want in ref.items()
-        # a key not in sd: reported by export_drafter as a missing required tensor
+        # a key not in sd: a missing required tensor when the engine's folder stores it
         if key in sd and tuple(sd[key].shape) != tuple(want.shape)
     ]

@@ -29,7 +29,6 @@ from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, draft_layer_config
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import LABELS, known, others, spelled
 from eagle3.engines.layers import check_aux_layers, engine_layer_ids, layer_id_convention
-from eagle3.errors import UserError
 from eagle3.export.common import (
     EMBED_KEY,
     VERIFIER_FIELDS,
@@ -136,24 +135,19 @@ def _check_request(
     FORMATS[engine].warn_dtype(out_dtype)
     arch = str(verifier_info["architecture"])
     aux = check_aux_layers(aux_layers_hf, int(verifier_info["num_layers"]), field="aux_layers_hf")
-    check_export_contract(drafter, verifier_info, include_embeddings)
+    check_export_contract(
+        drafter, verifier_info, include_embeddings, export_tensor_names(drafter.args, engine)
+    )
     return out_dtype, aux, engine_layer_ids(aux, engine, arch)
 
 
 def _export_tensors(
     drafter: Eagle3Drafter, engine: str, include_embeddings: bool, out_dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The folder's tensors by export name: floating ones cast to ``out_dtype``, all contiguous CPU copies.
-
-    Raises:
-        UserError: a required tensor missing from the drafter's state.
-    """
+    """The folder's tensors by export name: floating ones cast to ``out_dtype``, all contiguous CPU copies (every
+    one in the drafter state: :func:`eagle3.export.common.check_export_contract`, before)."""
     sd = drafter.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for key, src in export_tensor_names(drafter.args, engine).items():
-        if src not in sd:
-            raise UserError(f"drafter state: missing required tensor '{src}' (export key '{key}')")
-        tensors[key] = sd[src]
+    tensors = {key: sd[src] for key, src in export_tensor_names(drafter.args, engine).items()}
     if include_embeddings:
         tensors[EMBED_KEY] = sd[EMBED_KEY]
     return {

@@ -328,8 +328,8 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
     Raises:
         UserError: missing target head / vocab map, no data_config.json and no record of it
             (:func:`shards_data_config`), other trained inputs, a drafter shape that disagrees with the vocab map or
-            with the config's ``drafter.*`` (one line, :func:`_trained_inputs_problem`), or a missing/unexpected
-            state key.
+            with the config's ``drafter.*`` (:func:`_trained_inputs_problem`), or a missing/unexpected state key
+            (:func:`_model_state_problem`): one line ``<checkpoint>: <problem>``.
     """
     data_config = shards_data_config(cfg, path, state)
     vocab = load_run_vocab_map(
@@ -337,16 +337,25 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
     )
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
     problem = _trained_inputs_problem(cfg, path, state, args, (vocab, data_config))
+    if not problem:
+        args = _with_config_context(cfg, args)
+        drafter = init_drafter(args, TargetHead.load(cfg.train_dir), vocab, seed=0)
+        problem = _model_state_problem(drafter, state["model"])
     if problem:
         raise UserError(f"{path}: {problem}")
-    args = _with_config_context(cfg, args)
-    drafter = init_drafter(args, TargetHead.load(cfg.train_dir), vocab, seed=0)
-    missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
-    trainable = {k for k, p in drafter.named_parameters() if p.requires_grad}
-    if unexpected or trainable & set(missing):
-        key = sorted(unexpected or (trainable & set(missing)))[0]
-        raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
     return drafter, data_config
+
+
+def _model_state_problem(drafter, model_state: dict) -> Optional[str]:
+    """``model_state`` loaded into ``drafter`` (in place); what keeps it from being the drafter's whole trained state:
+    ``key 'model.<name>' unexpected`` (a tensor the drafter has not) or ``... missing`` (a trainable one absent), the
+    first by name; None when it loads."""
+    missing, unexpected = drafter.load_state_dict(model_state, strict=False)
+    trainable = {k for k, p in drafter.named_parameters() if p.requires_grad}
+    if not (unexpected or trainable & set(missing)):
+        return None
+    key = sorted(unexpected or (trainable & set(missing)))[0]
+    return f"key 'model.{key}' {'unexpected' if unexpected else 'missing'}"
 
 
 def _trained_inputs_problem(

@@ -189,10 +189,7 @@ def _read_shards(cfg: RunConfig) -> tuple[dict, list[tuple[int, Path]]]:
             f"data.draft_vocab_size: {draft} is larger than the verifier's vocab ({V} tokens, {meta_path}); "
             f"use at most {V}"
         )
-    paths = list_samples(shards)
-    if not paths:
-        raise UserError(f"{shards}: no shards found")
-    return meta, paths
+    return meta, list_samples(shards, at_least_one=True)
 
 
 def _split(cfg: RunConfig, paths, stats: dict) -> tuple[dict, int, dict]:

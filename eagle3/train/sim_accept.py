@@ -395,25 +395,49 @@ def _best_file_row(path: Path, curve_best: Optional[dict]) -> Optional[dict]:
     return dict(row)
 
 
-def _load_best_into(path: Path, drafter: nn.Module, fix: str) -> int:
-    """Copy ``best_drafter.pt``'s tensors into ``drafter`` (in place); returns their step.
+def _load_best_into(path: Path, drafter: nn.Module, fix: str, curve: Optional[Path] = None) -> int:
+    """Copy ``best_drafter.pt``'s tensors into ``drafter`` (in place); returns their step. ``curve``: the run's
+    ``sim_accept.json``, whose best step (or the file's own row, :func:`_best_file_row`) the file must hold.
 
     Raises:
-        UserError: unreadable file, key ``step``/``model`` missing, or a tensor that does not fit (named), each
-            followed by ``fix``.
+        UserError: ``<why the file is not usable>; <fix>`` (:func:`_best_problem`); nothing is copied then.
     """
-    try:
-        state = safe_torch_load(path)
-    except UserError as e:
-        raise UserError(f"{e}; {fix}") from e
     params = dict(drafter.named_parameters())
-    problem = _best_state_problem(state, params)
+    state, problem = _best_problem(path, params, curve)
     if problem:
-        raise UserError(f"{path}: {problem}; {fix}")
+        raise UserError(f"{problem}; {fix}")
     with torch.no_grad():
         for name, t in state["model"].items():
             params[name].copy_(t.to(params[name].device, params[name].dtype))
     return int(state["step"])
+
+
+def _best_problem(
+    path: Path, params: dict[str, torch.Tensor], curve: Optional[Path]
+) -> tuple[Any, Optional[str]]:
+    """``(state, why it cannot be loaded)`` of the best file ``path`` for the drafter of ``params``: unreadable
+    (:func:`eagle3.io.read.safe_torch_load`'s line), key missing or a tensor that does not fit
+    (:func:`_best_state_problem`), or (``curve`` given) another step than the one ``curve`` names as the best;
+    ``why`` None when it loads."""
+    try:
+        state = safe_torch_load(path)
+    except UserError as e:
+        return None, str(e)
+    problem = _best_state_problem(state, params)
+    if problem or curve is None:
+        return state, problem and f"{path}: {problem}"
+    step = int(state["step"])
+    summary = read_json(curve) if curve.is_file() else None
+    best = summary.get("best") if isinstance(summary, dict) else None
+    if isinstance(
+        best, dict
+    ):  # a kill between the file and the curve: the file's own row is the newer best
+        best = _best_file_row(path, best)
+    if isinstance(best, dict) and int(best.get("step", -1)) != step:
+        return state, (
+            f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the best"
+        )
+    return state, None
 
 
 def _best_state_problem(state: Any, params: dict[str, torch.Tensor]) -> Optional[str]:
@@ -468,18 +492,7 @@ def load_best_for_export(
             f"(step {ckpt_step}) instead"
         )
     fix = f"set train.select_best=last to export the checkpoint (step {ckpt_step}) instead"
-    step = _load_best_into(path, drafter, fix)
-    summary = read_json(curve) if curve.is_file() else None
-    best = summary.get("best") if isinstance(summary, dict) else None
-    if isinstance(
-        best, dict
-    ):  # a kill between the file and the curve: the file's own row is the newer best
-        best = _best_file_row(path, best)
-    if isinstance(best, dict) and int(best.get("step", -1)) != step:
-        raise UserError(
-            f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the "
-            f"best; {fix}"
-        )
+    step = _load_best_into(path, drafter, fix, curve)
     log.info(
         "export: the best validation's weights, step %d (%s; checkpoint step %d gave the shape)",
         step,

@@ -508,3 +508,46 @@ def test_a_served_drafter_other_than_the_runs_export_is_said(tmp_path):
                 f"drafter, not this run's; serve {mine}, or check that {other} is the drafter you mean to measure"
             ]
         )
+
+
+@pytest.mark.parametrize(
+    "engine, answer",
+    [
+        ("sglang", {"text": "x"}),
+        ("sglang", [{"meta_info": {"completion_tokens": "3"}}]),
+        ("sglang", []),
+        ("vllm", {"usage": {"completion_tokens": 3}, "choices": []}),
+        ("vllm", {"choices": [{"text": "x"}]}),
+        ("vllm", ["no"]),
+    ],
+)
+def test_an_answer_without_the_engines_counts_is_one_line_naming_the_engine(
+    monkeypatch, engine, answer
+):
+    """:func:`eagle3.decoding.server_vllm.require_answer` owns the refusal of both engines' completion answers."""
+    from eagle3.decoding import server, server_vllm
+
+    mod = server if engine == "sglang" else server_vllm
+    monkeypatch.setattr(mod, "http_json", lambda *a, **k: answer)
+    url = "http://127.0.0.1:1"
+    with pytest.raises(UserError) as e:
+        (server.generate if engine == "sglang" else server_vllm.vllm_generate)(url, [1, 2], 4)
+    assert str(e.value) == (
+        f"server {url}: /generate response has no meta_info.completion_tokens (is this SGLang?)"
+        if engine == "sglang"
+        else f"server {url}: /v1/completions response has no usage.completion_tokens or choices "
+        f"(is this vLLM?)"
+    )
+
+
+def test_an_answer_with_the_engines_counts_is_read_as_sent(monkeypatch):
+    from eagle3.decoding import server, server_vllm
+
+    meta = {"completion_tokens": 3, "spec_verify_ct": 2}
+    monkeypatch.setattr(server, "http_json", lambda *a, **k: [{"meta_info": meta, "text": "t"}])
+    got = server.generate("http://h", [1], 4)
+    assert got["meta_info"] == meta and got["text"] == "t"
+    answer = {"usage": {"completion_tokens": 2}, "choices": [{"token_ids": [5, 6], "text": "ab"}]}
+    monkeypatch.setattr(server_vllm, "http_json", lambda *a, **k: answer)
+    got = server_vllm.vllm_generate("http://h", [1], 4)
+    assert got["meta_info"]["completion_tokens"] == 2 and got["output_ids"] == [5, 6]

@@ -59,6 +59,36 @@ def test_read_refuses_a_missing_old_or_corrupt_manifest(tmp_path):
         manifest.read(tmp_path, DataManifest)
 
 
+def test_read_and_of_record_refuse_through_one_owner_each_naming_field_or_key(tmp_path):
+    """A manifest file names a bad ``field``, a stage's own record a bad ``key``; both say ``not a JSON object``."""
+    path = tmp_path / FILE
+    path.write_text("[1]")
+    with pytest.raises(UserError) as e:
+        manifest.read(tmp_path, DataManifest)
+    assert str(e.value) == f"{path}: not a JSON object; re-run 03_prepare_data.py"
+    raw = json.loads(_data().model_dump_json())
+    path.write_text(json.dumps({**raw, "extra": 1}))
+    with pytest.raises(UserError) as e:
+        manifest.read(tmp_path, DataManifest)
+    assert str(e.value) == (
+        f"{path}: field 'extra': Extra inputs are not permitted; re-run 03_prepare_data.py"
+    )
+    path.write_text(json.dumps({k: v for k, v in raw.items() if k != "written_by"}))
+    with pytest.raises(UserError) as e:
+        manifest.read(tmp_path, DataManifest)
+    assert str(e.value) == (
+        f"{path}: written by None version 1, this code reads 03_prepare_data.py version 1; "
+        f"re-run 03_prepare_data.py"
+    )
+    with pytest.raises(UserError) as e:
+        DataManifest.of_record({**raw, "seed": "x"}, "rec.json")
+    assert str(e.value).startswith("rec.json: key 'seed': Input should be a valid integer")
+    assert str(e.value).endswith("; re-run 03_prepare_data.py")
+    with pytest.raises(UserError) as e:
+        DataManifest.of_record([raw], "rec.json")
+    assert str(e.value) == "rec.json: not a JSON object; re-run 03_prepare_data.py"
+
+
 def test_require_names_the_first_differing_field_old_and_new(tmp_path):
     manifest.write(tmp_path, _data())
     found = manifest.read(tmp_path, DataManifest)

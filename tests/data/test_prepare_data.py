@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -173,6 +174,15 @@ def test_draft_larger_than_target_is_config_error(tmp_path):
         UserError, match=r"data.draft_vocab_size: 11 is larger than the verifier's vocab \(10"
     ):
         run(cfg)
+
+
+def test_a_shard_set_without_samples_is_refused_by_list_samples(tmp_path):
+    """03 reads the samples through ``list_samples(at_least_one=True)``: its one line, nothing written."""
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir, samples=[])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(cfg.shards_dir))}: no shards found$"):
+        run(cfg)
+    assert not (cfg.data_dir / "vocab_map.pt").exists()
 
 
 def test_verifier_mismatch_refused(tmp_path):

@@ -225,6 +225,31 @@ def test_export_only_refuses_a_checkpoint_without_data_inputs_of_another_draft_s
     assert not cfg.export_dir.exists()
 
 
+def test_export_only_refuses_a_checkpoint_whose_model_state_is_not_the_drafters(tmp_path):
+    """The checkpoint's state must be the drafter's whole trained state: a tensor it has not, or a trainable one
+    absent, is the checkpoint's one line (``_model_state_problem``), nothing written."""
+    from eagle3.stages.export import export_from_checkpoint
+    from eagle3.stages.train import run
+
+    path = make_tiny_run(tmp_path, draft_vocab=24, train={"epochs": 1})
+    cfg = load_config(path)
+    run(cfg, stop_after=1, max_steps=2, device="cpu")
+    step = ckpt.ckpt_path(cfg.train_dir, 1)
+    state = torch.load(step, map_location="cpu", weights_only=True)
+    good = dict(state["model"])
+    state["model"]["bogus.weight"] = torch.zeros(2)
+    torch.save(state, step)
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(cfg)
+    assert str(e.value) == f"{step}: key 'model.bogus.weight' unexpected"
+    state["model"] = {k: v for k, v in good.items() if k != "fc.weight"}
+    torch.save(state, step)
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(cfg)
+    assert str(e.value) == f"{step}: key 'model.fc.weight' missing"
+    assert not cfg.export_dir.exists()
+
+
 @pytest.mark.parametrize(
     "key,named",
     [

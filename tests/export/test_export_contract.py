@@ -102,6 +102,22 @@ def test_tensor_shapes_checked_against_contract(tmp_path, module, layer, msg):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_tensor_the_folder_stores_missing_from_the_state_is_one_line_nothing_written(
+    tmp_path, engine
+):
+    """:func:`eagle3.export.common.check_export_contract` owns the drafter state's tensors: shapes and presence."""
+    d = drafter()
+    d.midlayer.hidden_norm = nn.Identity()  # its weight gone from the state
+    with pytest.raises(UserError) as e:
+        export_drafter(d, tmp_path / "x", engine, [2, 15, 27], LLAMA30)
+    assert str(e.value) == (
+        "drafter state: missing required tensor 'midlayer.hidden_norm.weight' "
+        f"(export key '{'layers.0' if engine == 'vllm' else 'midlayer'}.hidden_norm.weight')"
+    )
+    assert not (tmp_path / "x").exists()
+
+
 def test_invalid_vocab_buffers_refused_at_export(tmp_path):
     d = drafter()
     with torch.no_grad():

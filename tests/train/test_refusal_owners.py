@@ -91,3 +91,32 @@ def test_hidden_states_without_their_source_are_refused_naming_the_fix(tmp_path)
     )
     with pytest.raises(UserError, match=r"^extract.sglang_url / extract.capture_dir: required for"):
         check_hidden_states("online", ex, None, tokens)
+
+
+def test_export_of_a_best_file_the_curve_does_not_name_is_one_line_and_copies_nothing(tmp_path):
+    """``_load_best_into(curve=...)`` owns every refusal of ``best_drafter.pt`` at ``04 --export-only``: not the
+    curve's best step, or unreadable; each followed by the fix, the drafter left as it was."""
+    import json
+
+    from torch import nn
+
+    from eagle3.train.sim_accept import BEST_FILE, CURVE_FILE, load_best_for_export
+
+    drafter, path, curve = nn.Linear(4, 2), tmp_path / BEST_FILE, tmp_path / CURVE_FILE
+    before = drafter.weight.detach().clone()
+    torch.save({"step": 5, "model": {"weight": torch.ones(2, 4)}}, path)
+    curve.write_text(json.dumps({"best": {"step": 10, "alpha": [0.5]}, "rows": []}))
+    fix = "set train.select_best=last to export the checkpoint (step 7) instead"
+    with pytest.raises(UserError) as e:
+        load_best_for_export(tmp_path, drafter, 7)
+    assert str(e.value) == (
+        f"{path}: holds the weights of step 5, but {curve} names step 10 as the best; {fix}"
+    )
+    assert torch.equal(drafter.weight, before)
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(UserError) as e:
+        load_best_for_export(tmp_path, drafter, 7)
+    assert str(e.value).startswith(str(path)) and str(e.value).endswith(f"; {fix}")
+    torch.save({"step": 10, "model": {"weight": torch.ones(2, 4)}}, path)
+    assert load_best_for_export(tmp_path, drafter, 7) == (10, None)
+    assert bool((drafter.weight == 1).all())
