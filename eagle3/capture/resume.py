@@ -164,35 +164,49 @@ def check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict)
             state file.
     """
     state_path = root / STATE
-    has_data = root.is_dir() and any(True for _ in iter_stage_files(root))
     if overwrite:
         n = wipe_shards_dir(root)
         if n:
             log.info("--overwrite: removed %d files from %s", n, root)
-    elif state_path.is_file() and has_data:
-        old = read_json(state_path)
-        changed = []
-        if not isinstance(old, dict) or old.get("fingerprint") != fp:
-            old_comp = old.get("components", {}) if isinstance(old, dict) else {}
-            changed = changed_settings(old_comp, comp) or ["the settings fingerprint"]
-        elif moved := weights_changed(root, old, weights):
-            changed = [f"the weights at verifier.path (verifier_weights: {moved})"]
-        if changed:
-            raise UserError(
-                f"{state_path}: the shards in {root} were extracted with other settings: changed "
-                f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over, or set extract.output_dir "
-                f"to another folder to keep them (another run may read them)"
-            )
-        unchecked = weights_unchecked(root, old, weights)
+    elif root.is_dir() and any(True for _ in iter_stage_files(root)):
+        foreign = foreign_shards(root, fp, comp, weights)
+        if foreign is not None:
+            raise UserError(foreign)
+        unchecked = weights_unchecked(root, read_state(root), weights)
         if unchecked:  # resumed with the weights not compared: said, not silent
             log.warning("%s", unchecked)
-    elif has_data:
-        raise UserError(
+    atomic_write_json(
+        state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()}
+    )
+
+
+def foreign_shards(root: Path, fp: str, comp: dict, weights: dict) -> Optional[str]:
+    """Why the shards in ``root`` are not this run's to resume, as the one-line refusal with its fix (``--overwrite``
+    or another ``extract.output_dir``): no ``extract_state.json`` (unknown provenance), or one that records other
+    settings than ``fp`` / ``comp`` (:func:`settings_fingerprint`; the components that changed are named) or other
+    verifier weights than ``weights`` (:func:`weights_changed`). None when they are this run's.
+
+    Raises:
+        UserError: ``extract_state.json`` is not JSON (:func:`eagle3.io.read_json`).
+    """
+    state_path = root / STATE
+    if not state_path.is_file():
+        return (
             f"{root}: holds shards but no {STATE} (unknown provenance); re-run with --overwrite to delete them, or set "
             "extract.output_dir to another folder to keep them"
         )
-    atomic_write_json(
-        state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()}
+    state, changed = read_json(state_path), []
+    if not isinstance(state, dict) or state.get("fingerprint") != fp:
+        old_comp = state.get("components", {}) if isinstance(state, dict) else {}
+        changed = changed_settings(old_comp, comp) or ["the settings fingerprint"]
+    elif moved := weights_changed(root, state, weights):
+        changed = [f"the weights at verifier.path (verifier_weights: {moved})"]
+    if not changed:
+        return None
+    return (
+        f"{state_path}: the shards in {root} were extracted with other settings: changed "
+        f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over, or set extract.output_dir "
+        f"to another folder to keep them (another run may read them)"
     )
 
 
