@@ -164,35 +164,49 @@ def check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict)
             state file.
     """
     state_path = root / STATE
-    has_data = root.is_dir() and any(True for _ in iter_stage_files(root))
     if overwrite:
         n = wipe_shards_dir(root)
         if n:
             log.info("--overwrite: removed %d files from %s", n, root)
-    elif state_path.is_file() and has_data:
-        old = read_json(state_path)
-        changed = []
-        if not isinstance(old, dict) or old.get("fingerprint") != fp:
-            old_comp = old.get("components", {}) if isinstance(old, dict) else {}
-            changed = changed_settings(old_comp, comp) or ["the settings fingerprint"]
-        elif moved := weights_changed(root, old, weights):
-            changed = [f"the weights at verifier.path (verifier_weights: {moved})"]
-        if changed:
-            raise UserError(
-                f"{state_path}: the shards in {root} were extracted with other settings: changed "
-                f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over, or set extract.output_dir "
-                f"to another folder to keep them (another run may read them)"
-            )
-        unchecked = weights_unchecked(root, old, weights)
+    elif root.is_dir() and any(True for _ in iter_stage_files(root)):
+        foreign = foreign_shards(root, fp, comp, weights)
+        if foreign is not None:
+            raise UserError(foreign)
+        unchecked = weights_unchecked(root, read_state(root), weights)
         if unchecked:  # resumed with the weights not compared: said, not silent
             log.warning("%s", unchecked)
-    elif has_data:
-        raise UserError(
+    atomic_write_json(
+        state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()}
+    )
+
+
+def foreign_shards(root: Path, fp: str, comp: dict, weights: dict) -> Optional[str]:
+    """Why the shards in ``root`` are not this run's to resume, as the one-line refusal with its fix (``--overwrite``
+    or another ``extract.output_dir``): no ``extract_state.json`` (unknown provenance), or one that records other
+    settings than ``fp`` / ``comp`` (:func:`settings_fingerprint`; the components that changed are named) or other
+    verifier weights than ``weights`` (:func:`weights_changed`). None when they are this run's.
+
+    Raises:
+        UserError: ``extract_state.json`` is not JSON (:func:`eagle3.io.read_json`).
+    """
+    state_path = root / STATE
+    if not state_path.is_file():
+        return (
             f"{root}: holds shards but no {STATE} (unknown provenance); re-run with --overwrite to delete them, or set "
             "extract.output_dir to another folder to keep them"
         )
-    atomic_write_json(
-        state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()}
+    state, changed = read_json(state_path), []
+    if not isinstance(state, dict) or state.get("fingerprint") != fp:
+        old_comp = state.get("components", {}) if isinstance(state, dict) else {}
+        changed = changed_settings(old_comp, comp) or ["the settings fingerprint"]
+    elif moved := weights_changed(root, state, weights):
+        changed = [f"the weights at verifier.path (verifier_weights: {moved})"]
+    if not changed:
+        return None
+    return (
+        f"{state_path}: the shards in {root} were extracted with other settings: changed "
+        f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over, or set extract.output_dir "
+        f"to another folder to keep them (another run may read them)"
     )
 
 
@@ -309,7 +323,13 @@ def finished_report(
 def resume_state(
     root: Path, samples: list[Sample], rows_per_dir: int, expect: dict, writer_path: Path
 ) -> dict[int, dict]:
-    """Finished idx -> manifest row, after reconciling ``manifest.jsonl`` with the shard files."""
+    """Finished idx -> manifest row, after reconciling ``manifest.jsonl`` with the shard files: a recorded row whose
+    shard is gone is redone, a shard the manifest lacks is adopted when it holds its prompt (else removed and
+    redone); the manifest is rewritten once every row is this run's (:func:`foreign_row`).
+
+    Raises:
+        UserError: :func:`foreign_row`'s line for the first row of this run's samples that is not this run's.
+    """
     man = read_manifest(writer_path)
     on_disk = {idx: p for idx, p in list_samples(root)} if root.is_dir() else {}
     by_idx = {s.idx: s for s in samples}
@@ -317,12 +337,6 @@ def resume_state(
     changed = man.dropped_tail
     for idx, row in man.rows.items():
         if idx in on_disk:
-            s = by_idx.get(idx)
-            if s is not None and row["id"] != s.id:
-                raise UserError(
-                    f"{writer_path}: sample {idx} is recorded as prompt '{row['id']}' but the prompts "
-                    f"file gives '{s.id}'; re-run with --overwrite"
-                )
             done[idx] = row
         else:
             changed = True  # shard deleted: redo it
@@ -351,13 +365,35 @@ def resume_state(
         else:
             log.warning("%s: does not match its prompt; rewriting it", on_disk[idx])
             on_disk[idx].unlink()
+    for idx, row in done.items():  # a shard outside this run's samples is kept as it is
+        foreign = (
+            foreign_row(row, by_idx[idx], on_disk[idx], root, rows_per_dir, writer_path)
+            if idx in by_idx
+            else None
+        )
+        if foreign is not None:
+            raise UserError(foreign)
     if changed:
         rewrite_manifest(writer_path, done)
-    # The shard path depends on rows_per_dir; a row whose file is elsewhere is a foreign layout.
-    for idx in done:
-        if idx in by_idx and on_disk[idx] != shard_path(root, idx, rows_per_dir):
-            raise UserError(
-                f"{on_disk[idx]}: sample {idx} is not at {shard_path(root, idx, rows_per_dir)}; "
-                "re-run with --overwrite"
-            )
     return done
+
+
+def foreign_row(
+    row: dict, sample: Sample, path: Path, root: Path, rows_per_dir: int, writer_path: Path
+) -> Optional[str]:
+    """Why the finished ``row`` (of ``writer_path``, the manifest; its shard at ``path``) is not this run's
+    ``sample``, as the one-line refusal with its fix (``--overwrite``): it records another prompt id than the
+    prompts file gives, or its shard is elsewhere than ``rows_per_dir`` puts it (a foreign layout). None when it
+    is this run's."""
+    idx = sample.idx
+    if row["id"] != sample.id:
+        return (
+            f"{writer_path}: sample {idx} is recorded as prompt '{row['id']}' but the prompts "
+            f"file gives '{sample.id}'; re-run with --overwrite"
+        )
+    if path != shard_path(root, idx, rows_per_dir):
+        return (
+            f"{path}: sample {idx} is not at {shard_path(root, idx, rows_per_dir)}; "
+            "re-run with --overwrite"
+        )
+    return None

@@ -254,12 +254,11 @@ class SGLangCapture:
         )
         where = f"extract.sglang_url {self.url}/server_info"
         validated(ServerInfo, self._request("/server_info"), where)
-        info_path = self.capture_dir / INFO_FILE
-        if not info_path.is_file():
-            raise UserError(
-                f"{info_path}: not found; is the server running patches/sglang_capture_launcher.py "
-                "with this --capture-dir, on this host?"
-            )
+        info_path = self._written(
+            INFO_FILE,
+            "not found; is the server running patches/sglang_capture_launcher.py with this "
+            "--capture-dir, on this host?",
+        )
         cap = validated(CaptureInfo, read_json(info_path), str(info_path))
         arch = (model.architectures or [cap.architecture or "unknown"])[0]
         layers = cap.layers_to_capture
@@ -325,37 +324,38 @@ class SGLangCapture:
         try:
             resp = self._request("/generate", payload)
             results = validated(_RESULTS, [resp] if isinstance(resp, dict) else resp, where)
-            by_rid = {str(r.meta_info.id): r.meta_info for r in results}
-            if len(results) != len(batch) or set(by_rid) != set(rids):
-                raise UserError(
-                    f"{where}: expected one result per request id sent ({len(batch)}), got "
-                    f"{len(results)} results with {len(set(by_rid) & set(rids))} of the ids"
-                )
-            return [
-                self._read_one(rid, ids, by_rid[rid], H, f"{where} rid {rid}")
-                for rid, ids in zip(rids, batch)
-            ]
+            unlike = _unlike_sent(results, rids, batch, where)
+            if unlike is not None:
+                raise UserError(unlike)
+            return [self._read_one(rid, ids, H) for rid, ids in zip(rids, batch)]
         finally:
             for rid in rids:
                 for suffix in (SAMPLE_SUFFIX, ERROR_SUFFIX):
                     (self.capture_dir / f"{rid}{suffix}").unlink(missing_ok=True)
 
-    def _read_one(
-        self, rid: str, ids: list[int], meta: GenerateMeta, H: int, where: str
-    ) -> list[torch.Tensor]:
-        if meta.prompt_tokens != len(ids):
-            raise UserError(
-                f"{where}: server counted {meta.prompt_tokens} prompt tokens, {len(ids)} were sent"
-            )
+    def _written(self, name: str, absent: str) -> Path:
+        """``capture_dir / name``, a file the patched server writes there (``capture_info.json`` at start-up,
+        ``{rid}.pt`` per request).
+
+        Raises:
+            UserError: ``<path>: <absent>`` when the file is not there (the server runs without the patch, with
+                another ``--capture-dir`` or on another host).
+        """
+        path = self.capture_dir / name
+        if not path.is_file():
+            raise UserError(f"{path}: {absent}")
+        return path
+
+    def _read_one(self, rid: str, ids: list[int], H: int) -> list[torch.Tensor]:
+        """The four captured states of request ``rid`` (``ids`` sent) from its ``{rid}.pt``, checked against the
+        request (:class:`CaptureFile`); the error the server wrote for it instead is raised as such."""
         err = self.capture_dir / f"{rid}{ERROR_SUFFIX}"
         if err.is_file():
             raise UserError(f"{err}: {read_json(err).get('error', 'capture failed')}")
-        path = self.capture_dir / f"{rid}{SAMPLE_SUFFIX}"
-        if not path.is_file():
-            raise UserError(
-                f"{path}: not written by the server (wrong --capture-dir, another host, or the patch "
-                "is not active)"
-            )
+        path = self._written(
+            f"{rid}{SAMPLE_SUFFIX}",
+            "not written by the server (wrong --capture-dir, another host, or the patch is not active)",
+        )
         context = {
             "input_ids": list(ids),
             "layers": self.aux_layers,
@@ -364,3 +364,24 @@ class SGLangCapture:
         }
         f = validated(CaptureFile, safe_torch_load(path), str(path), context=context)
         return [t.to("cpu") for t in f.hidden_states]  # 4 x [L, H] bf16
+
+
+def _unlike_sent(
+    results: list[GenerateResult], rids: list[str], batch: list[list[int]], where: str
+) -> Optional[str]:
+    """Where the ``/generate`` answer ``results`` differs from the request (``rids``, one per prompt of
+    ``batch``): not one result per request id sent, or a result whose server counted other than its prompt's
+    tokens (the first such, ``<where> rid <rid>: ...``). None when it answers exactly what was sent."""
+    by_rid = {str(r.meta_info.id): r.meta_info for r in results}
+    if len(results) != len(batch) or set(by_rid) != set(rids):
+        return (
+            f"{where}: expected one result per request id sent ({len(batch)}), got "
+            f"{len(results)} results with {len(set(by_rid) & set(rids))} of the ids"
+        )
+    for rid, ids in zip(rids, batch):
+        if by_rid[rid].prompt_tokens != len(ids):
+            return (
+                f"{where} rid {rid}: server counted {by_rid[rid].prompt_tokens} prompt tokens, "
+                f"{len(ids)} were sent"
+            )
+    return None

@@ -96,32 +96,17 @@ class ResumeLog:
         )
         done: dict[int, dict] = {}
         for j, (n, row, _) in enumerate(rows):
+            foreign = self._foreign_line(j, n, row, conversations)
+            if foreign is not None:
+                raise UserError(foreign)
             if j == 0:  # the header
-                diff = settings_differ(row.get("settings"), self.settings, self.path)
-                if diff:
-                    raise UserError(
-                        f"{self.path}: a regeneration was started here with other settings "
-                        f"({', '.join(diff)} differ); rerun with those settings to resume, "
-                        "or pass --force to discard it and start over"
-                    )
                 warning = older_fields_warning(
                     self.path, row.get("answer_fields"), "resuming answers"
                 )
                 if warning:
                     log.warning(warning)
                 continue
-            idx, cid = row.get("idx"), row.get("id")
-            if (
-                not isinstance(idx, int)
-                or not 0 <= idx < len(conversations)
-                or cid != conversations[idx]["id"]
-                or not isinstance(row.get("messages"), list)
-            ):
-                raise UserError(
-                    f"{self.path}:{n}: entry {cid!r} at position {idx!r} does not match the input "
-                    "conversations; pass --force to discard the log and start over"
-                )
-            done[idx] = {k: v for k, v in row.items() if k != "idx"}
+            done[row["idx"]] = {k: v for k, v in row.items() if k != "idx"}
         if torn and rows:
             log.warning("%s: dropped a torn last line (interrupted write)", self.path)
             atomic_write_text(
@@ -130,6 +115,32 @@ class ResumeLog:
         elif torn:  # not even the header made it
             self.path.unlink()
         return done
+
+    def _foreign_line(self, j: int, n: int, row: dict, conversations: list[dict]) -> Optional[str]:
+        """Why line ``n`` of the log (``j``: its place among the lines read, 0 the header) is not of this run, as the
+        one-line refusal with its fix: a header of other settings (:func:`settings_differ`), or an entry whose
+        position, id or messages do not match ``conversations``. None when it is this run's."""
+        if j == 0:
+            diff = settings_differ(row.get("settings"), self.settings, self.path)
+            if not diff:
+                return None
+            return (
+                f"{self.path}: a regeneration was started here with other settings "
+                f"({', '.join(diff)} differ); rerun with those settings to resume, "
+                "or pass --force to discard it and start over"
+            )
+        idx, cid = row.get("idx"), row.get("id")
+        if (
+            not isinstance(idx, int)
+            or not 0 <= idx < len(conversations)
+            or cid != conversations[idx]["id"]
+            or not isinstance(row.get("messages"), list)
+        ):
+            return (
+                f"{self.path}:{n}: entry {cid!r} at position {idx!r} does not match the input "
+                "conversations; pass --force to discard the log and start over"
+            )
+        return None
 
     def open(self) -> None:
         """Open for appending; a new log gets its settings line first (written atomically)."""

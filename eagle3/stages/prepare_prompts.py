@@ -77,12 +77,10 @@ def _regenerate(
     or through the configured endpoints."""
     pc, max_context = cfg.prompts, max_context_tokens(cfg)
     opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
+    unusable = _via_unusable(pc)
+    if unusable is not None:
+        raise UserError(unusable)
     if pc.regenerate_via == "local":
-        if pc.temperature != 0 or pc.top_p != 1:
-            raise UserError(
-                "prompts.temperature/top_p: the local path decodes greedily; sampling needs "
-                "prompts.regenerate_via: sglang or openai"
-            )
         kw = dict(max_new_tokens=pc.max_new_tokens, batch_size=pc.gen_batch_size, opts=opts)
         kw.update(max_context=max_context, schedule=pc.gen_schedule, engine=pc.regen_engine)
         # one process, or one verifier replica per torchrun rank (None on ranks > 0: rank 0 writes)
@@ -94,10 +92,6 @@ def _regenerate(
             stats,
             force=force,
             regen_kwargs={**kw, "engine_options": engine_options(pc)},
-        )
-    if not pc.server.urls:
-        raise UserError(
-            f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}"
         )
     tok = verifier_load.load_tokenizer(cfg.verifier)
     stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))
@@ -112,6 +106,21 @@ def _regenerate(
         stats=stats,
         max_context=max_context,
     )
+
+
+def _via_unusable(pc: PromptsConfig) -> Optional[str]:
+    """Why ``prompts.regenerate_via`` cannot answer with the ``prompts`` settings ``pc``, as the one-line refusal
+    with its fix: sampling (``temperature`` / ``top_p``) on the ``local`` path, which decodes greedily, or the
+    endpoints (``sglang`` / ``openai``) without ``prompts.server.urls``. None when it can."""
+    if pc.regenerate_via == "local":
+        if pc.temperature != 0 or pc.top_p != 1:
+            return (
+                "prompts.temperature/top_p: the local path decodes greedily; sampling needs "
+                "prompts.regenerate_via: sglang or openai"
+            )
+    elif not pc.server.urls:
+        return f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}"
+    return None
 
 
 def _regenerate_reusing(

@@ -1,5 +1,6 @@
 """Training under torchrun: this rank's :class:`eagle3.process_group.Dist`, the CPU collectives of training (gloo
-control group, never a GPU sync), the rank-agreement refusals (config, data, checkpoint), the SIGTERM/SIGINT flag.
+control group, never a GPU sync), the rank-agreement refusals (config, data,
+checkpoint; :meth:`Dist.agree` raises them), the SIGTERM/SIGINT flag.
 """
 
 from __future__ import annotations
@@ -7,12 +8,11 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from eagle3.errors import UserError
 from eagle3.process_group import Dist, init_dist, torchrun_env
 from eagle3.train import checkpoint as ckpt
 
@@ -47,17 +47,6 @@ def _differing(first: dict, theirs: dict) -> list[str]:
     )
 
 
-def _agree(d: Dist, mine: Any, refusal: Callable[[int, Any, Any], str]) -> None:
-    """UserError on every rank when some rank's ``mine`` differs from rank 0's: ``refusal(rank, rank 0's, its)`` of the
-    first such rank."""
-    if not d.distributed:
-        return
-    everyone = d.all_gather(mine)
-    r = next((r for r, theirs in enumerate(everyone) if theirs != everyone[0]), None)
-    if r is not None:
-        raise UserError(refusal(r, everyone[0], everyone[r]))
-
-
 def ranks_agree(d: Dist, mine: dict) -> None:
     """UserError on every rank when some rank's ``mine`` (dotted config keys and flags, :func:`dotted`) differs from rank
     0's, naming the first such rank and the keys."""
@@ -73,14 +62,13 @@ def ranks_agree(d: Dist, mine: dict) -> None:
             f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"
         )
 
-    _agree(d, mine, refusal)
+    d.agree(mine, refusal)
 
 
 def same_data(d: Dist, inputs: dict, data_dir: Path) -> None:
     """UserError on every rank when some rank read other data than rank 0 (``inputs``:
     :func:`eagle3.train.order.data_inputs`), naming the first such rank and the inputs."""
-    _agree(
-        d,
+    d.agree(
         inputs,
         lambda r, first, theirs: (
             f"{data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
@@ -93,8 +81,7 @@ def same_data(d: Dist, inputs: dict, data_dir: Path) -> None:
 def same_checkpoint(train_dir: Path, found: Optional[tuple], d: Dist) -> None:
     """UserError on every rank when some rank found another newest checkpoint (or none) than rank 0 on ``--resume``."""
     say = lambda w: "no checkpoint" if w is None else f"{w[0]} (step {w[1]})"  # noqa: E731
-    _agree(
-        d,
+    d.agree(
         None if found is None else (found[0].name, int(found[1]["step"])),
         lambda r, first, theirs: (
             f"{ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank {r} found {say(theirs)}, rank 0 {say(first)}; "

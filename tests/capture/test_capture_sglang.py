@@ -350,3 +350,46 @@ def test_the_last_hidden_state_convention_is_not_assumed_silently(server, caplog
         match=r"capture_info.json: field 'last_hidden_state' should be 'post_norm' or 'pre_norm', got 'final'",
     ):
         _backend(server).info()
+
+
+def test_the_files_the_server_writes_are_refused_absent_in_their_own_words(tmp_path, server):
+    """SGLangCapture._written owns 'the patched server wrote its file in capture_dir': capture_info.json at
+    start-up, {rid}.pt per request; each absence is its own line."""
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(UserError) as e:
+        SGLangCapture(url=server.url, capture_dir=other, aux_layers=[3, 31, 59]).info()
+    assert str(e.value) == (
+        f"{other / ec.INFO_FILE}: not found; is the server running patches/sglang_capture_launcher.py with "
+        "this --capture-dir, on this host?"
+    )
+    server.mode = "no_file"
+    be = _backend(server)
+    with pytest.raises(UserError) as e:
+        be.capture([[7, 8]])
+    rid = server.posts[-1]["rid"][0]
+    assert str(e.value) == (
+        f"{server.capture_dir / (rid + '.pt')}: not written by the server (wrong --capture-dir, another host, "
+        "or the patch is not active)"
+    )
+
+
+def test_an_answer_unlike_the_request_is_refused_before_any_file_is_read():
+    """sglang._unlike_sent owns 'the /generate answer is one result per request id sent, each counting its
+    prompt's tokens': the first difference is the line, None when the answer is exact."""
+    from eagle3.capture.sglang import GenerateResult, _unlike_sent
+
+    def res(rid, n):
+        return GenerateResult.model_validate({"meta_info": {"id": rid, "prompt_tokens": n}})
+
+    where, batch = "extract.sglang_url http://h/generate", [[1, 2], [3, 4, 5]]
+    assert _unlike_sent([res("a", 2), res("b", 3)], ["a", "b"], batch, where) is None
+    assert _unlike_sent([res("a", 2)], ["a", "b"], batch, where) == (
+        f"{where}: expected one result per request id sent (2), got 1 results with 1 of the ids"
+    )
+    assert _unlike_sent([res("a", 2), res("c", 3)], ["a", "b"], batch, where) == (
+        f"{where}: expected one result per request id sent (2), got 2 results with 1 of the ids"
+    )
+    assert _unlike_sent([res("a", 2), res("b", 2)], ["a", "b"], batch, where) == (
+        f"{where} rid b: server counted 2 prompt tokens, 3 were sent"
+    )

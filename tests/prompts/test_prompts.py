@@ -441,6 +441,52 @@ def test_local_regeneration_gets_schedule_and_context_cap(
     )
 
 
+@pytest.mark.parametrize(
+    "sets,line",
+    [
+        (
+            ["prompts.temperature=0.7"],
+            "prompts.temperature/top_p: the local path decodes greedily; sampling needs "
+            "prompts.regenerate_via: sglang or openai",
+        ),
+        (
+            ["prompts.top_p=0.9"],
+            "prompts.temperature/top_p: the local path decodes greedily; sampling needs "
+            "prompts.regenerate_via: sglang or openai",
+        ),
+        (
+            ["prompts.regenerate_via=openai"],
+            "prompts.server.urls: needed for prompts.regenerate_via: openai",
+        ),
+        (
+            ["prompts.regenerate_via=sglang", "prompts.temperature=0.7"],
+            "prompts.server.urls: needed for prompts.regenerate_via: sglang",
+        ),
+    ],
+)
+def test_a_regenerate_via_path_without_what_it_needs_is_refused_before_loading(
+    tmp_path, monkeypatch, sets, line
+):
+    """prepare_prompts._via_unusable owns 'prompts.regenerate_via can answer with these settings' (the local path
+    is greedy; the endpoints need prompts.server.urls): its line, before a verifier or tokenizer is loaded."""
+    from eagle3.regen import replicas
+    from eagle3.stages import prepare_prompts
+    from eagle3.stages.prepare_prompts import _regenerate
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(replicas, "load_verifier", no_load)
+    monkeypatch.setattr(prepare_prompts.verifier_load, "load_tokenizer", no_load)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(
+        "run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\n"
+    )
+    with pytest.raises(UserError) as e:
+        _regenerate(load_config(cfg_path, overrides=sets), [], {}, {})
+    assert str(e.value) == line
+
+
 def test_regen_compile_is_not_in_the_settings_fingerprint(tmp_path):
     """prompts.regen_compile changes speed, not answers: true / false / auto give 01 the same settings, so a finished
     prompts.jsonl (and a resume log) stays valid when it changes."""

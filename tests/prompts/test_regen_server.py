@@ -536,6 +536,38 @@ def test_resume_log_torn_tail_settings_and_input_checks(tmp_path):
         ResumeLog(p, SETTINGS).load([{"id": "zz", "messages": []}] * 3)
 
 
+def test_resume_log_lines_of_another_run_are_refused_in_their_own_words(tmp_path):
+    """ResumeLog._foreign_line owns 'a log line is of this run': the header's settings, then each entry's position,
+    id and messages against the input; the first foreign line is the refusal, nothing is changed."""
+    convs = _many(3)
+    p = tmp_path / "log.jsonl"
+    j = ResumeLog(p, SETTINGS)
+    j.open()
+    j.append(1, {"id": "q1", "messages": [U("x")]})
+    j.close()
+    before = p.read_text()
+    with pytest.raises(UserError) as e:
+        ResumeLog(p, {**SETTINGS, "dedupe": False}).load(convs)
+    assert str(e.value) == (
+        f"{p}: a regeneration was started here with other settings (dedupe differ); rerun with those settings "
+        "to resume, or pass --force to discard it and start over"
+    )
+    for entry in (
+        {"idx": 1, "id": "zz", "messages": []},
+        {"idx": 7, "id": "q1", "messages": []},
+        {"idx": "1", "id": "q1", "messages": []},
+        {"idx": 1, "id": "q1", "messages": "x"},
+    ):
+        p.write_text(before + json.dumps(entry) + "\n")
+        with pytest.raises(UserError) as e:
+            ResumeLog(p, SETTINGS).load(convs)
+        assert str(e.value) == (
+            f"{p}:3: entry {entry['id']!r} at position {entry['idx']!r} does not match the input conversations; "
+            "pass --force to discard the log and start over"
+        )
+        assert p.read_text() == before + json.dumps(entry) + "\n"
+
+
 def _cmd(out: Path, model_dir: Path, url: str, src: str) -> list[str]:
     sets = [
         f"output_root={out}",
