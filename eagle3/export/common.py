@@ -164,23 +164,9 @@ def check_export_contract(
     """
     a = drafter.args
     vh, vv = int(verifier_info["hidden_size"]), int(verifier_info["vocab_size"])
-    faults = [
-        f"verifier_info.{key}: {got}, but the drafter was built for target_{key} {built}{why}"
-        for key, got, built, why in (
-            ("hidden_size", vh, a.target_hidden_size, " (its fc reads 3 x target hidden)"),
-            ("vocab_size", vv, a.target_vocab_size, ""),
-        )
-        if got != built
-    ]
-    if a.hidden_size != vh and not include_embeddings:
-        faults.append(
-            f"drafter hidden_size {a.hidden_size} differs from the verifier hidden_size {vh}: the engines then "
-            f"do not use the verifier's embedding and would run the draft with a random one; export with "
-            f"include_embeddings=True (writes '{EMBED_KEY}')"
-        )
     sd = drafter.state_dict()
     faults = (
-        faults
+        _size_faults(a, vh, vv, include_embeddings)
         or _tensor_shape_faults(sd, a, vh, vv)
         or [
             f"drafter state: missing required tensor '{src}' (export key '{key}')"
@@ -199,6 +185,26 @@ def check_export_contract(
         draft_key="drafter draft_vocab_size",
         target_source="verifier_info.vocab_size",
     )
+
+
+def _size_faults(a: DrafterArgs, vh: int, vv: int, include_embeddings: bool) -> list[str]:
+    """One line per size the verifier (hidden ``vh``, vocab ``vv``) and the drafter args ``a`` disagree on, and the
+    missing embedding of a drafter narrower or wider than the verifier."""
+    faults = [
+        f"verifier_info.{key}: {got}, but the drafter was built for target_{key} {built}{why}"
+        for key, got, built, why in (
+            ("hidden_size", vh, a.target_hidden_size, " (its fc reads 3 x target hidden)"),
+            ("vocab_size", vv, a.target_vocab_size, ""),
+        )
+        if got != built
+    ]
+    if a.hidden_size != vh and not include_embeddings:
+        faults.append(
+            f"drafter hidden_size {a.hidden_size} differs from the verifier hidden_size {vh}: the engines then "
+            f"do not use the verifier's embedding and would run the draft with a random one; export with "
+            f"include_embeddings=True (writes '{EMBED_KEY}')"
+        )
+    return faults
 
 
 def _tensor_shape_faults(sd: dict, a: DrafterArgs, vh: int, vv: int) -> list[str]:
