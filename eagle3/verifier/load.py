@@ -469,16 +469,6 @@ def serving_context_length(cfg: Any) -> Optional[int]:
     return None
 
 
-def verifier_context_length(vcfg: VerifierSpec) -> Optional[int]:
-    """:func:`serving_context_length` of the verifier's text config; ``None`` when its config
-    cannot be read (no weights are loaded; callers only warn or check with it)."""
-    try:
-        return serving_context_length(text_config(load_verifier_config(vcfg)))
-    except (UserError, OSError, ValueError) as e:
-        log.debug("verifier context length unknown: %s", e)
-        return None
-
-
 def _causal_lm_class_name(model_type: Optional[str]) -> Optional[str]:
     """transformers' causal-LM class name for a ``model_type`` (GGUF configs carry no ``architectures``)."""
     if not model_type:
