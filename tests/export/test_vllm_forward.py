@@ -56,28 +56,36 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, smollm_tokenizer) -> Path:
-    """A random 4-layer Llama verifier (hidden 128, 2 heads of 64), fp32 HF folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _save_verifier(tmp_path_factory, tok, config_cls, model_cls, **sizes) -> Path:
+    """A random 4-layer verifier ``model_cls(config_cls(**sizes))`` with 2 attention and 2 KV heads, untied, and
+    SmolLM2's tokenizer ``tok``, saved as an fp32 HF folder."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(smollm_tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
+    cfg = config_cls(
+        vocab_size=len(tok),
         num_hidden_layers=4,
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
-        bos_token_id=smollm_tokenizer.bos_token_id,
-        eos_token_id=smollm_tokenizer.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **sizes,
     )
-    out = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).eval().save_pretrained(out)
-    smollm_tokenizer.save_pretrained(out)
+    out = tmp_path_factory.mktemp(f"tiny-{cfg.model_type}")
+    model_cls(cfg).eval().save_pretrained(out)
+    tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, smollm_tokenizer) -> Path:
+    """A random 4-layer Llama verifier (hidden 128, 2 heads of 64), fp32 HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_verifier(
+        tmp_path_factory, smollm_tokenizer, LlamaConfig, LlamaForCausalLM,
+        hidden_size=128, intermediate_size=256,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -85,25 +93,12 @@ def deepseek_dir(tmp_path_factory, smollm_tokenizer) -> Path:
     """A random 4-layer dense DeepSeek-V3 verifier (hidden 64, 2 heads, the MLA sizes above), fp32 HF folder."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(
-        vocab_size=len(smollm_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
+    return _save_verifier(
+        tmp_path_factory, smollm_tokenizer, DeepseekV3Config, DeepseekV3ForCausalLM,
+        hidden_size=64, intermediate_size=128,
         first_k_dense_replace=4,  # every layer dense: no MoE on the CPU
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=smollm_tokenizer.bos_token_id,
-        eos_token_id=smollm_tokenizer.eos_token_id,
         **MLA,
-    )
-    out = tmp_path_factory.mktemp("tiny-deepseek")
-    DeepseekV3ForCausalLM(cfg).eval().save_pretrained(out)
-    smollm_tokenizer.save_pretrained(out)
-    return out
+    )  # fmt: skip
 
 
 def _drafter(verifier: Path, arch: str, variant: str) -> Eagle3Drafter:

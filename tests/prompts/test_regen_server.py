@@ -511,13 +511,18 @@ def test_pool_spreads_load_and_revives_a_probed_endpoint():
 
 
 # ---- resume --------------------------------------------------------------------------------------
-def test_resume_log_torn_tail_settings_and_input_checks(tmp_path):
-    convs = _many(3)
+def _log_with_q1(tmp_path) -> Path:
+    """A resume log under SETTINGS holding one entry: conversation 1, id q1."""
     p = tmp_path / "log.jsonl"
     j = ResumeLog(p, SETTINGS)
     j.open()
     j.append(1, {"id": "q1", "messages": [U("x")]})
     j.close()
+    return p
+
+
+def test_resume_log_torn_tail_settings_and_input_checks(tmp_path):
+    convs, p = _many(3), _log_with_q1(tmp_path)
     with open(p, "a") as f:
         f.write('{"idx": 2, "id": "q2", "mess')  # killed mid-write
     assert ResumeLog(p, SETTINGS).load(convs) == {1: {"id": "q1", "messages": [U("x")]}}
@@ -539,12 +544,7 @@ def test_resume_log_torn_tail_settings_and_input_checks(tmp_path):
 def test_resume_log_lines_of_another_run_are_refused_in_their_own_words(tmp_path):
     """ResumeLog._foreign_line owns 'a log line is of this run': the header's settings, then each entry's position,
     id and messages against the input; the first foreign line is the refusal, nothing is changed."""
-    convs = _many(3)
-    p = tmp_path / "log.jsonl"
-    j = ResumeLog(p, SETTINGS)
-    j.open()
-    j.append(1, {"id": "q1", "messages": [U("x")]})
-    j.close()
+    convs, p = _many(3), _log_with_q1(tmp_path)
     before = p.read_text()
     with pytest.raises(UserError) as e:
         ResumeLog(p, {**SETTINGS, "dedupe": False}).load(convs)
