@@ -98,6 +98,8 @@ def load_run(spec: str) -> dict:
         "per_prompt": pp.get("per_prompt", {}),
         "steps": (bench or {}).get("steps"),
         "dtype": (bench or {}).get("dtype"),
+        "temperature": (bench or {}).get("temperature"),
+        "rejection_sample_method": (bench or {}).get("rejection_sample_method"),
         "val_top1": top1,
         "optimizer_steps": train.get("step"),
         "weights_step": weights_step,
@@ -174,6 +176,8 @@ def compare(ref: dict, runs: list[dict]) -> list[dict]:
                 "tau",
                 "steps",
                 "dtype",
+                "temperature",
+                "rejection_sample_method",
                 "val_top1",
                 "optimizer_steps",
                 "weights_step",
@@ -209,6 +213,24 @@ def val_split_note(rows: list[dict]) -> str:
     )
 
 
+def served_note(rows: list[dict]) -> str:
+    """How 05 drafted and verified: ``T=0`` (greedy chain) or ``T=t, <method> verification`` from each bench's
+    ``temperature`` / ``rejection_sample_method`` (absent = a greedy 05), one phrase when every run shares it."""
+
+    def one(r: dict) -> str:
+        t = r.get("temperature") or 0
+        return (
+            "T=0"
+            if t == 0
+            else f"T={t:g}, {r.get('rejection_sample_method') or 'standard'} verification"
+        )
+
+    kinds = {r["name"]: one(r) for r in rows}
+    if len(set(kinds.values())) == 1:
+        return next(iter(kinds.values()))
+    return "; ".join(f"{n}: {k}" for n, k in kinds.items())
+
+
 def markdown(rows: list[dict], title: str) -> str:
     """Table: run, training samples, steps, held-out top-1 at position 1, tau per set with delta [CI]."""
     sets = [s for s in SETS if any(s in r["tau"] for r in rows)]
@@ -241,7 +263,7 @@ def markdown(rows: list[dict], title: str) -> str:
         )
     lines += [
         "",
-        "tau: 05, chain, T=0; (delta vs ref [95% paired bootstrap over prompts]); held-out top-1: 04's "
+        f"tau: 05, chain, {served_note(rows)}; (delta vs ref [95% paired bootstrap over prompts]); held-out top-1: 04's "
         f"validation split ({val_split_note(rows)}).",
     ]
     return "\n".join(lines) + "\n"

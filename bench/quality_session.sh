@@ -545,18 +545,17 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
     local dr="$ROOT/data/data_report.json"
     [ -e "$r/data_dir" ] && dr="$(cat "$r/data_dir")/data_report.json"  # the recipe's own 03 (data.* keys)
     for f in "$dr" "$ROOT"/prompts_report.json; do [ -e "$f" ] && cp "$f" "$res/runs/$name/"; done
-    [ -e "$r/bench-t/bench.json" ] && cp "$r/bench-t/bench.json" "$res/runs/$name/bench-t-steps3.json"
-    [ -e "$r/bench-tb/bench.json" ] && cp "$r/bench-tb/bench.json" "$res/runs/$name/bench-tb-steps3.json"
-    for k in 3 7; do
-      [ -e "$r/bench-steps$k/bench.json" ] && "$PY" - "$r/bench-steps$k/bench.json" "$res/runs/$name" "$k" <<'PYEOF'
+    # bench-TAG.json + per_prompt_TAG.json: the layout bench/quality_compare.py pairs (e.g. T=1 block vs standard)
+    for k in steps3:bench-steps3 steps7:bench-steps7 t-steps3:bench-t tb-steps3:bench-tb; do
+      [ -e "$r/${k#*:}/bench.json" ] && "$PY" - "$r/${k#*:}/bench.json" "$res/runs/$name" "${k%%:*}" <<'PYEOF'
 import json, sys
 from pathlib import Path
 sys.path.insert(0, "bench")
 from quality_compare import split_bench
 bench, pp = split_bench(json.loads(Path(sys.argv[1]).read_text()))
-out, k = Path(sys.argv[2]), sys.argv[3]
-(out / f"bench-steps{k}.json").write_text(json.dumps(bench, indent=1))
-(out / f"per_prompt_steps{k}.json").write_text(json.dumps(pp))
+out, tag = Path(sys.argv[2]), sys.argv[3]
+(out / f"bench-{tag}.json").write_text(json.dumps(bench, indent=1))
+(out / f"per_prompt_{tag}.json").write_text(json.dumps(pp))
 PYEOF
     done
   done

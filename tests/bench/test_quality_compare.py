@@ -163,6 +163,33 @@ def test_footnote_reads_the_validation_sizes(tmp_path):
     assert "(a: 1997 samples; c: 40 samples; n: no data_report.json)" in mixed
 
 
+def test_footnote_says_how_each_run_was_served(tmp_path):
+    """The footnote reads temperature and verification method from each bench.json: a greedy 05 (no
+    ``temperature``) is T=0; a sampled one names its method (block vs standard at T=1 are compared this way)."""
+    for name, extra in (
+        ("g", {}),
+        ("s", {"temperature": 1.0, "rejection_sample_method": "standard"}),
+    ):
+        (tmp_path / name).mkdir()
+        bench = _bench({"mtbench": {"81": [1, 2]}}) | extra
+        (tmp_path / name / "bench.json").write_text(json.dumps(bench))
+    b = {"temperature": 1.0, "rejection_sample_method": "block"}
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [2, 2]}}) | b))
+
+    def note(ref, *runs):
+        rows = qc.compare(
+            qc.load_run(f"{ref}={tmp_path / ref}"),
+            [qc.load_run(f"{r}={tmp_path / r}") for r in runs],
+        )
+        return qc.markdown(rows, "T").splitlines()[-1]
+
+    assert note("g").startswith("tau: 05, chain, T=0; (delta")
+    assert note("s", "b").startswith(
+        "tau: 05, chain, s: T=1, standard verification; b: T=1, block verification;"
+    )
+
+
 def test_a_run_stopped_before_its_final_validation_reports_its_exported_weights(tmp_path):
     """A run stopped at a lease's deadline has no final_val; its export holds the best validated weights
     (select_best: sim_accept), so the table gives that validation's top-1 and names its step (lease 2026-12-04e's

@@ -736,11 +736,13 @@ def test_start_refuses_a_setting_naming_no_recipe(tmp_path, setting):
     )
 
 
-def test_the_next_leases_plan_passes_the_settings_check():
+def test_the_next_leases_plan_passes_the_settings_check(tmp_path):
     """bench/plans/lease-next.env as the lease sources it (set -a): check_settings accepts it, every recipe of its
-    RECIPES gets the full benchmark (its comments: 05 on the three sets at 3 steps and MT-bench at 7 for each run)."""
+    RECIPES gets the full benchmark (its comments: 05 on the three sets at 3 steps and MT-bench at 7 for each run).
+    W is a fresh folder: the plan's own W may hold a lease's run (its clock, ``$W/t0``) on the machine testing."""
     script = (
-        f"set -a; . bench/plans/lease-next.env; set +a\n{_functions('check_settings')}\ncheck_settings && "
+        f"set -a; . bench/plans/lease-next.env; W={tmp_path / 'w'}; set +a\n{_functions('check_settings')}\n"
+        "check_settings && "
         'for spec in $RECIPES; do n=${spec%%:*}; [[ " $BENCH_FULL " == *" $n "* ]] && echo "$n full"; done'
     )
     r = subprocess.run(

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -596,9 +597,11 @@ def test_batch_ab_needs_the_slots_engine(tmp_path):
         )
 
 
-def test_prefill_probe_counts_and_table(tiny_llama_dir):
+def test_prefill_probe_counts_and_table(tiny_llama_dir, monkeypatch):
     """The probe's token counts and matmul weights by hand (every parameter but the embeddings), and its table with
-    the main run's own prefill rate (500 padded tokens in 0.5 s = 1000 tokens/s, 2 forwards = 250 ms each)."""
+    the main run's own prefill rate (500 padded tokens in 0.5 s = 1000 tokens/s, 2 forwards = 250 ms each). The
+    tiny verifier runs on the CPU, also where CUDA exists (its sync sites: the test below)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     from eagle3.config import load_config
     from eagle3.verifier.load import load_verifier
 

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from _paths import pythonpath
 from conftest import ROOT, SHARED_DATA, needs_shared_data
 
 from eagle3.data.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts, load_prompt_file
@@ -1366,7 +1367,7 @@ def test_sigterm_prints_one_line_and_exits_143(tmp_path):
         f"sys.argv = ['05_benchmark.py', '--config', {str(cfg)!r}]\n"
         f"runpy.run_path({str(ROOT / '05_benchmark.py')!r}, run_name='__main__')\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, PYTHONPATH=pythonpath(ROOT), CUDA_VISIBLE_DEVICES="")
     rc, err = sigterm_when(
         [sys.executable, "-c", stub], mark.exists, env=env, cwd=tmp_path, wait_s=120
     )

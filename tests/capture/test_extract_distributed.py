@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _paths import pythonpath
 
 from eagle3.config import load_config
 from eagle3.shards.data_config import read_data_config
@@ -89,7 +90,7 @@ def _env(sleep: float = 0.0) -> dict:
         {
             "OMP_NUM_THREADS": "1",
             "TQDM_DISABLE": "1",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": pythonpath(ROOT),
             "EAGLE3_EXTRACT_SLEEP_PER_BATCH": str(sleep),
         }
     )

@@ -31,6 +31,7 @@ from eagle3.shards.read import load_sample
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _paths import pythonpath
 from _signals import lines_settled, sigterm_when  # noqa: E402
 
 N_PROMPTS = 14
@@ -93,7 +94,7 @@ def _env(sleep: float) -> dict:
             "EAGLE3_EXTRACT_SLEEP_PER_BATCH": str(sleep),
             "OMP_NUM_THREADS": "1",
             "TQDM_DISABLE": "1",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": pythonpath(ROOT),
         }
     )
     return env

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _paths import child_env
 
 import eagle3.io as eio
 from eagle3.errors import UserError
@@ -232,13 +233,7 @@ def test_real_small_filesystem(tmp_path):
         "except UserError as e:\n    print(e)\n"
         f"print(sorted(os.listdir('{mnt}')))\n"
     )
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(
-            [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        ),
-    )
+    env = child_env(ROOT)
     r = subprocess.run(
         [
             "unshare",

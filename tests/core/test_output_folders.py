@@ -4,7 +4,6 @@ storage) stops every stage with one line naming the config field (or flag) and t
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import child_env
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
@@ -191,14 +191,7 @@ def _run_read_only(folder: Path, code: str) -> subprocess.CompletedProcess:
     namespace or the mount is not allowed."""
     if shutil.which("unshare") is None:
         pytest.skip("unshare not installed")
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(
-            [str(ROOT), str(ROOT / "tests")]
-            + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        ),
-    )
+    env = child_env(ROOT, ROOT / "tests")
     r = subprocess.run(
         [
             "unshare",

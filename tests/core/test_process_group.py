@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from _paths import child_env, pythonpath
 
 from eagle3 import process_group
 
@@ -171,7 +172,7 @@ def test_no_gloo_thread_outlives_close_on_two_ranks(tmp_path):
     it first, so ``close_process_group`` really ends the gloo threads (3 are left without that)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT)
     cmd = [
         sys.executable,
         "-m",
@@ -207,7 +208,7 @@ def _rank(
 ) -> tuple[int, str]:
     env = dict(
         os.environ,
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=pythonpath(ROOT),
         WORLD_SIZE="2",
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -253,7 +254,7 @@ def test_a_bad_config_under_torchrun_prints_one_error_line(tmp_path):
     cfg.write_text(
         f"run_name: t\noutput_root: {tmp_path}\nverifier: {{path: {tmp_path}}}\nprompts: {{source: x}}\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT)
     cmd = [
         sys.executable,
         "-m",
@@ -376,7 +377,7 @@ def test_ctrl_c_under_torchrun_prints_one_interrupted_line(tmp_path):
 
     script = tmp_path / "worker.py"
     script.write_text(SLEEPER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT)
     cmd = [
         sys.executable,
         "-m",
@@ -466,10 +467,8 @@ def test_a_shards_folder_only_rank_0_reads_gives_one_error_line_and_no_traceback
     yaml = make_tiny_run(tmp_path / "run")
     wrap = tmp_path / "rank1_args.py"
     wrap.write_text(RANK1_SHARDS)
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
+    env = child_env(
+        ROOT,
         RANK1_SHARDS=str(tmp_path / "elsewhere"),
     )
     cmd = [

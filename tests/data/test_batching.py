@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import child_env
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.batching import TokenBudgetBatchSampler, eval_batches  # noqa: E402
@@ -307,7 +308,6 @@ def test_token_budget_two_ranks_equal_one_process_accumulating(tmp_path):
     """Token-budget batches of different sizes and token counts: 2 gloo ranks x grad_accum 1 see the same
     global batches per optimizer step as 1 process x grad_accum 2 (batch s*W*A + m*W + r), and with the
     step-normalised loss the weights agree."""
-    import os
     import subprocess
 
     from eagle3.stages.train import run
@@ -317,7 +317,7 @@ def test_token_budget_two_ranks_equal_one_process_accumulating(tmp_path):
     two_yaml = make_tiny_run(tmp_path / "two", n_train=12, train=dict(train, grad_accum=1))
     r = run(one, device="cpu")
     here = Path(__file__).resolve().parents[1]  # tests/ (the _ddp_worker.py helper)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
+    env = child_env(here.parent)
     cmd = [
         sys.executable,
         "-m",

@@ -1597,9 +1597,16 @@ def test_bucketed_prefill_writes_only_its_rows_and_the_scratch_row(tiny, offsets
     eng.close()
 
 
-def test_prefill_graph_capture_failure_falls_back_to_eager(tiny, caplog):
-    """A prefill graph that cannot be captured (here: capture asked for on the CPU) logs one warning and the bucketed
-    forwards run eagerly, with HF greedy's answers."""
+def test_prefill_graph_capture_failure_falls_back_to_eager(tiny, caplog, monkeypatch):
+    """A prefill graph that cannot be captured (here: capture asked for on the CPU, and the capture itself made to
+    fail, so also where CUDA exists) logs one warning and the bucketed forwards run eagerly, with HF greedy's
+    answers."""
+    from eagle3.regen import slot_prefill
+
+    def fail(*_a, **_k):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(slot_prefill, "capture_graph", fail)
     model, _ = tiny
     max_new = 8
     prompts, stops, want = _greedy_case(model, 9, max_new, seed=4)

@@ -222,6 +222,7 @@ def test_unrecognised_record_names_keys(tmp_path):
 
 
 def test_hf_source_loads(tmp_path):
+    pytest.importorskip("datasets")
     _jsonl(tmp_path / "d.jsonl", [{"messages": [U("u"), A("a")]}])
     got = read_conversations(f"hf:{tmp_path}", "hf")
     assert [c["messages"] for c in got] == [[U("u"), A("a")]]
@@ -1269,7 +1270,10 @@ def test_an_empty_reference_answer_keeps_its_prompt_when_answers_are_regenerated
     assert read_conversations(src, counts=counts) == [] and counts["skipped_empty_content"] == 4
 
 
-@needs_shared_data
+@pytest.mark.skipif(
+    not (SHARED_DATA / "train-extra" / "train_extra_pool.jsonl.gz").is_file(),
+    reason=f"the 110K-prompt pool not found under {SHARED_DATA / 'train-extra'}",
+)
 def test_the_127k_pool_keeps_every_prompt_with_a_user_turn_when_regenerating():
     """configs/smollm2-135m-127k.yaml's comment: 109,986 of the pool's 109,987 rows have a user turn and 01 reads them
     all with regenerate: true (one row's only user message is empty)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from eagle3.regen.replicas import all_logs, assemble, log_path, merge_stats, sha
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _paths import child_env
 from _signals import lines_settled, sigterm_when  # noqa: E402
 
 
@@ -51,7 +51,7 @@ extract: {{max_length: 256}}
 
 
 def _run01(cfg: Path, nproc: int, *extra) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT)
     launch = (
         [
             sys.executable,
@@ -192,7 +192,7 @@ extract: {{max_length: 256}}
     _run01(cfg_for("ref"), 1)
     cfg, out = cfg_for("cut"), tmp_path / "cut"
     partial = out / "prompts.regen-partial.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TQDM_DISABLE="1")
+    env = child_env(ROOT, TQDM_DISABLE="1")
     rc, err = sigterm_when(
         [sys.executable, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)],
         env=env,
@@ -283,7 +283,7 @@ def test_ranks_that_read_other_settings_stop_at_once_in_one_line(tmp_path, tiny_
         ("--set prompts.max_new_tokens=5", "max_new_tokens"),
         (f"--set prompts.source={other}", "sha256, source"),
     ):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RANK1_EXTRA=extra)
+        env = child_env(ROOT, RANK1_EXTRA=extra)
         p = subprocess.run(
             [
                 sys.executable,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _paths import child_env
 from test_self_instruct import _cli
 
 from eagle3.config import load_config
@@ -330,7 +331,7 @@ def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
         )
     )
     src = _source(tmp_path)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT, ROOT / "tests")
     for name, launch in (
         ("one", [sys.executable]),
         (
@@ -396,7 +397,7 @@ def test_two_gloo_ranks_stop_in_one_line_when_rank_0_cannot_make_the_file(tmp_pa
         str(_source(tmp_path)),
         f", self_instruct: {{num: 5, exclude: [{tmp_path / 'no_such_eval.jsonl'}]}}",
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT, ROOT / "tests")
     p = subprocess.run(
         [
             sys.executable,

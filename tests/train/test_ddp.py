@@ -9,7 +9,6 @@ first step's gradient in ``tests/train/test_loss_norm.py``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import child_env
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
@@ -44,7 +44,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     r = run(one, device="cpu")
     assert r["step"] == 4  # 8 samples / 4 per step x 2 epochs
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    env = child_env(HERE.parent)
     cmd = [
         sys.executable,
         "-m",
@@ -112,7 +112,7 @@ def test_a_rank_with_another_config_is_refused_in_one_line(tmp_path, extra, said
     Now every rank compares first: one line naming rank 1 and the key, every rank exits 2, no train folder."""
     yaml = make_tiny_run(tmp_path / "run")
     wrap = RANK1_ARGS
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), RANK1_EXTRA=extra)
+    env = child_env(HERE.parent, RANK1_EXTRA=extra)
     cmd = [
         sys.executable,
         "-m",
@@ -152,10 +152,8 @@ def test_a_rank_with_another_split_is_refused(tmp_path):
     (other / "split.json").write_text(
         json.dumps({"train": split["train"][::-1], "val": split["val"]})
     )
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(HERE.parent),
+    env = child_env(
+        HERE.parent,
         SPLIT_DIR_FOR_RANK_1=str(other),
     )
     cmd = [

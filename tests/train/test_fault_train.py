@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import pythonpath
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
@@ -36,7 +37,7 @@ TOTAL = 16  # 8 samples x 2 epochs
 
 def _start(cfg_path: Path, *extra: str) -> subprocess.Popen:
     env = dict(
-        os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"
+        os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1"
     )  # = the in-process reference
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)

@@ -9,7 +9,6 @@ is exactly ``(1 - beta1) * grad`` (clipping is disabled with a huge ``grad_clip`
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ HERE = Path(__file__).resolve().parents[1]  # tests/ (the _ddp_worker.py helper)
 sys.path.insert(0, str(HERE))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import child_env
 from test_ttt import _random_case  # noqa: E402
 
 from eagle3.config import load_config  # noqa: E402
@@ -84,7 +84,7 @@ def test_step_gradient_same_on_two_gloo_ranks(tmp_path):
     yaml_path = make_tiny_run(
         tmp_path / "ddp", train={**ONE_STEP, "batch_size": 1, "grad_accum": 1}, **TWO_SAMPLES
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    env = child_env(HERE.parent)
     cmd = [
         sys.executable,
         "-m",

@@ -15,7 +15,6 @@ On a tiny random fp32 Llama verifier (CPU): 02 offline (hidden-state shards, eve
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -30,6 +29,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 
 from _ddp_worker import single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import child_env
 from test_extract import _write_prompts  # noqa: E402
 from test_fault_train import (
     _start,  # noqa: E402  (04 as a subprocess, the in-process reference's env)
@@ -479,7 +479,7 @@ def test_online_two_gloo_ranks_match_offline_one_process(prepared, tiny_llama_di
         prepared, "online", tiny_llama_dir, True, tmp_path / "two", batch_size=1, grad_accum=2
     )
     assert run(one, device="cpu")["step"] == 4
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT)
     cmd = [
         sys.executable,
         "-m",
@@ -640,7 +640,7 @@ def test_online_under_torchrun_says_each_replica_line_once(prepared, tiny_llama_
     two_yaml, two = _train_cfg(
         prepared, "online", tiny_llama_dir, True, tmp_path / "two", batch_size=1, grad_accum=2
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT)
     cmd = [
         sys.executable,
         "-m",

@@ -8,7 +8,6 @@ does not fill all ``b`` ranks (``drop_last``), for fixed-size batches and token-
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, record_loads, single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import child_env
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.batching import TokenBudgetBatchSampler  # noqa: E402
@@ -44,7 +44,7 @@ def _train(
         record_loads(Path(f"{record}.0"))
         run(load_config(yaml), resume=resume, stop_after=stop_after, device="cpu")
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    env = child_env(HERE.parent)
     cmd = [
         sys.executable,
         "-m",
@@ -159,7 +159,7 @@ def test_resume_warnings_under_torchrun_are_logged_by_rank_0_only(tmp_path, monk
     _train(yaml, 1, tmp_path / "A", 2, False, monkeypatch)
     cfg = load_config(yaml)
     ckpt.ckpt_path(cfg.train_dir, 3).write_bytes(b"PK\x03\x04 torn")  # an unusable newest file
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    env = child_env(HERE.parent)
     cmd = [
         sys.executable,
         "-m",
@@ -199,7 +199,7 @@ def test_resume_on_more_processes_steps_every_rank_with_the_same_lr(tmp_path, mo
     train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1, "warmup_ratio": 0.25}
     yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
     _train(yaml, 1, tmp_path / "A", 3, False, monkeypatch)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    env = child_env(HERE.parent)
     cmd = [
         sys.executable,
         "-m",
@@ -284,8 +284,9 @@ def test_resume_where_a_rank_sees_no_checkpoint_is_refused(tmp_path, monkeypatch
     train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
     yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
     _train(yaml, 2, tmp_path / "A", 3, False, monkeypatch)
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), HIDE_CHECKPOINTS_FROM_RANK="1"
+    env = child_env(
+        HERE.parent,
+        HIDE_CHECKPOINTS_FROM_RANK="1",
     )
     cmd = [
         sys.executable,

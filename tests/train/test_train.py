@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+from _paths import child_env
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split  # noqa: E402
@@ -742,7 +743,6 @@ def test_sigterm_during_export_only_is_one_line_and_leaves_no_temporary_folder(t
     1.97 GB) killed it silently, leaving `drafter-sglang.tmp-*` with the partial weights beside the export (trial
     2026-12-05g). Now one line `interrupted by SIGTERM: ...`, exit 143, the earlier export as it was, no temporary
     folder."""
-    import os
 
     from _signals import sigterm_when
 
@@ -762,7 +762,7 @@ def test_sigterm_during_export_only_is_one_line_and_leaves_no_temporary_folder(t
         f"sys.argv = ['04_train.py', '--config', {str(run_yaml)!r}, '--export-only', '--set', 'export.dtype=float32']\n"
         f"runpy.run_path({str(root / '04_train.py')!r}, run_name='__main__')\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    env = child_env(root)
     rc, err = sigterm_when(
         [sys.executable, "-c", code], marker.exists, env=env, cwd=tmp_path, wait_s=120
     )
