@@ -47,15 +47,6 @@ from eagle3.errors import UserError
 from eagle3.sdpa import no_cudnn_sdpa
 
 
-def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
-    """The KV cache under the forward's name for it (``past_key_values``, or ``cache`` in
-    transformers >= 5.24).
-    """
-    if cache is None:
-        return {}
-    return {"cache": cache} if "cache" in forward_params(model) else {"past_key_values": cache}
-
-
 def _returned_cache(out):
     """The KV cache of a model output (field ``cache`` in transformers >= 5.2x, else ``past_key_values``)."""
     return out["cache"] if "cache" in out.keys() else out["past_key_values"]
@@ -80,7 +71,9 @@ def _forward(verifier, ids, mask, pos, cache, hidden: bool, last_only: bool = Fa
     """One verifier forward over new slots ``ids [B, T]`` at ``pos [B, T]``; ``mask [B, S+T]`` covers
     the cached slots and the new ones (bool, True = real token). The ONE call both decoders use,
     so greedy and verify differ only in how many tokens they feed."""
-    kw = _cache_kwargs(verifier, cache)
+    # the KV cache under the forward's name for it (``cache`` in transformers >= 5.24)
+    key = "cache" if "cache" in forward_params(verifier) else "past_key_values"
+    kw = {} if cache is None else {key: cache}
     if last_only and "logits_to_keep" in forward_params(verifier):
         kw["logits_to_keep"] = 1
     return verifier(

@@ -77,20 +77,13 @@ def bench_prompts(
             static.close()
     bar.close()
     wall = time.perf_counter() - t_wall
-    extra = _run_facts(mode, warm_s, temperature, top_p, rejection_sample_method, static)
-    return {**tally.summary(label, effective, steps, wall, tie_tolerance), **extra}
-
-
-def _run_facts(mode, warm_s, temperature, top_p, method, static) -> dict:
-    """The decoder's facts :func:`bench_prompts` adds to a set's row: mode, warm-up seconds, sampling settings
-    (the rejection method only at temperature > 0), CUDA-graph use of a static decoder."""
-    extra = {"decoder": mode, "warm_up_seconds": warm_s, "temperature": temperature, "top_p": top_p}
+    row = tally.summary(label, effective, steps, wall, tie_tolerance)
+    row.update(decoder=mode, warm_up_seconds=warm_s, temperature=temperature, top_p=top_p)
     if temperature > 0:
-        extra["rejection_sample_method"] = method
+        row["rejection_sample_method"] = rejection_sample_method
     if static is not None:
-        extra["cuda_graphs"] = static.use_graphs
-        extra["graph_error"] = static.graph_error
-    return extra
+        row.update(cuda_graphs=static.use_graphs, graph_error=static.graph_error)
+    return row
 
 
 def _decode_all(static, models, prompts_ids, settings, batch_size, tie_tolerance, bar):

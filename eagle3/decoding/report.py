@@ -14,9 +14,6 @@ from typing import Optional, Sequence
 from eagle3.io import atomic_write_files
 
 
-# ---------------------------------------------------------------------------------------------
-# reports
-# ---------------------------------------------------------------------------------------------
 def _f(x: Optional[float], nd: int = 2) -> str:
     return "n/a" if x is None or x != x else f"{x:.{nd}f}"
 

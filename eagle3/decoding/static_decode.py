@@ -160,19 +160,15 @@ class StaticDecoder:
         self.ref = torch.full((1, max_new_tokens), -1, **z)  # [1, T] reference tokens (-1 = none)
         self.mm_idx = torch.full((1,), -1, **z)  # [1]
         self.mm_gap = torch.zeros(1, dtype=torch.float32, device=self.dev)  # [1]
-        # [R] accepted drafts per round
-        self.acc = torch.full((max_new_tokens + check_every + 2,), -1, **z)
+        self.acc = torch.full((max_new_tokens + check_every + 2,), -1, **z)  # [R] accepted drafts
         self.r = torch.zeros(1, **z)  # [1] round counter
         self.drafts = torch.zeros(1, k, **z)  # [1, k] hand-off draft -> verify
         self.pred = torch.zeros(1, k + 1, **z)  # [1, k+1] hand-off verify -> chunk: verifier argmax
         self.vpos = torch.zeros(1, k + 1, **z)  # [1, k+1] verified positions
         self.a = torch.zeros(1, **z)  # [1] accepted drafts of the last verify
-        # [1, k+1, 3Ht] verified positions' aux (1st prefill)
-        self.aux: Optional[torch.Tensor] = None
-        # [1, 1, H] step output that drafts the next token
-        self.h_prev: Optional[torch.Tensor] = None
-        # [1] live flag of the last verify
-        self.live = torch.zeros(1, dtype=torch.bool, device=self.dev)
+        self.aux: Optional[torch.Tensor] = None  # [1, k+1, 3Ht] verified positions' aux
+        self.h_prev: Optional[torch.Tensor] = None  # [1, 1, H] step output drafting the next token
+        self.live = torch.zeros(1, dtype=torch.bool, device=self.dev)  # [1] live at the last verify
 
     def _vforward(
         self, ids: torch.Tensor, pos: torch.Tensor, hidden: bool, last_only: bool = False
