@@ -254,9 +254,8 @@ def render_server_markdown(report: dict) -> str:
     ]
     if report.get("prompt_pick"):
         lines += [f"prompts picked: {report['prompt_pick']}", ""]
-    lines += [f"Warning: {w}" for w in report.get("warnings") or []] + (
-        [""] if report.get("warnings") else []
-    )
+    if report.get("warnings"):
+        lines += [f"Warning: {w}" for w in report["warnings"]] + [""]
     lines += [
         "| server | speculative | tau | SGLang accept length | output tok/s | mean request tok/s | completion tokens | wall s |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
