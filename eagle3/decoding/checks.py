@@ -22,12 +22,12 @@ from eagle3.export.reader import check_export_folder
 from eagle3.io import read_json
 from eagle3.manifest import DrafterManifest, ExportVerifier
 from eagle3.shards.checks import verifier_dims_differ
+from eagle3.shards.format import DATA_CONFIG
 from eagle3.verifier.load import weights_differ
 
 log = logging.getLogger(__name__)
 
 TRAIN_META = DrafterManifest.FILE  # the export's eagle3_train.json
-DATA_CONFIG = "data_config.json"
 NOT_OURS = "not found (a drafter not exported by eagle3-train)"
 
 
@@ -37,8 +37,8 @@ def resolve_aux_layers(
     """The aux layers (HF indices) to feed the drafter, and warnings.
 
     Priority: the drafter's ``eagle3_train.json`` (:class:`eagle3.manifest.DrafterManifest` ``aux_layers_hf``), then
-    the shards' ``data_config.json`` ``aux_layers``, then ``fallback``. A warning when the drafter's and the shards' lists differ
-    (the FIELD-NOTES off-by-one failure: near-zero acceptance).
+    the shards' ``data_config.json`` ``aux_layers``, then ``fallback``. A warning when the drafter's and the shards'
+    lists differ.
 
     Raises:
         UserError: no source names the aux layers, or a malformed metadata file (as
@@ -71,9 +71,8 @@ def verifier_check(
     dims_checked: bool = True,
 ) -> tuple[Optional[str], Optional[str]]:
     """The drafter's recorded verifier (``eagle3_train.json`` ``verifier``) against the run's: its name, the
-    dimensions ``dims`` of the loaded verifier (:func:`eagle3.verifier.load.verifier_dims`: a ``verifier.path`` pointed
-    at another model under the same name) and the weights fingerprint ``weights``
-    (:func:`eagle3.verifier.load.weights_fingerprint` of ``verifier.path``).
+    dimensions ``dims`` of the loaded verifier (:func:`eagle3.verifier.load.verifier_dims`) and the weights
+    fingerprint ``weights`` (:func:`eagle3.verifier.load.weights_fingerprint` of ``verifier.path``).
 
     Returns:
         ``(warning, not_checked)``: the line naming the first difference, or the line saying which comparison could
@@ -130,8 +129,7 @@ def ttt_length_check(
     unchecked_field: Optional[str] = None,
 ) -> tuple[Optional[str], Optional[str]]:
     """05's draft tokens a step (``steps``, from ``steps_field``: ``--steps``, ``benchmark.steps``, the server's
-    ``speculative_num_steps``) against the ``ttt_length`` the drafter's ``eagle3_train.json`` records
-    (``train.ttt_length``): draft positions past it were never trained, so their acceptance says little.
+    ``speculative_num_steps``) against the ``ttt_length`` the drafter's ``eagle3_train.json`` records.
 
     Returns:
         ``(warning, not_checked)``: the line when ``steps`` exceeds it (``fix``: how to draft fewer, ``{k}`` = the
@@ -166,7 +164,7 @@ def shards_unchecked(
     shards_dir: Path, drafter_dir: Path, extract_set: Collection[str] = ()
 ) -> Optional[str]:
     """The line saying which of 05's checks against the shards' ``data_config.json`` could not be made because the
-    file is gone (shards deleted after training, or a drafter benchmarked without its run's shards): the config's
+    file is gone: the config's
     ``extract.aux_layers`` / ``extract.max_length`` (only keys the config sets, ``extract_set``), the drafter's
     recorded aux layers (:func:`resolve_aux_layers`) and the chat template (:func:`template_check`). None when the
     file exists."""
@@ -207,9 +205,7 @@ def template_check(
     shards_dir: Path, tokenizer, chat: ChatOptions, say_missing: bool = False
 ) -> tuple[Optional[str], Optional[str]]:
     """The chat template 05 renders the prompts with (``verifier.chat_template``, else ``verifier.path``'s tokenizer's)
-    against the one the shards were rendered with (``data_config.json`` ``chat_template_hash``, written by 02 and
-    compared nowhere before): a drafter trained on conversations rendered otherwise is scored on prompts it never saw
-    in that form, and its tau understates it.
+    against the one the shards were rendered with (``data_config.json`` ``chat_template_hash``).
 
     Returns:
         ``(warning, not_checked)``: the line for another template, or the line saying the check could not be made (the
@@ -242,9 +238,7 @@ def template_check(
 
 def template_kwargs_check(shards_dir: Path, kwargs: dict) -> tuple[Optional[str], Optional[str]]:
     """The ``verifier.chat_template_kwargs`` 05 renders the prompts with (e.g. ``{thinking: false}``) against those
-    the shards were rendered with (``data_config.json`` ``chat_template_kwargs``, written by 02 and compared nowhere
-    before): the same template hash renders a thinking-mode conversation otherwise than a plain one, so a drafter
-    trained on one is scored on prompts it never saw in that form (:func:`template_check` compares only the template).
+    the shards were rendered with (``data_config.json`` ``chat_template_kwargs``).
 
     Returns:
         ``(warning, not_checked)``: the line for other kwargs, or the line saying the check could not be made (the
@@ -318,12 +312,8 @@ def export_folder_warnings(
 def check_drafter_vocab(
     drafter, drafter_dir: Path, draft_vocab_size: int, data_dir: Path, own_export: bool
 ) -> list[str]:
-    """The benchmarked drafter's draft vocab against the run config and the run's ``vocab_map.pt``.
-
-    The export carries its own ``d2t`` (int64 ``[draft_V]``); a run's own export (no ``--drafter``)
-    must have ``draft_V == data.draft_vocab_size`` and, when stage 03's ``{data_dir}/vocab_map.pt``
-    exists, the same ``d2t`` (a stale export after re-running 03 is refused). A drafter passed with
-    ``--drafter`` may come from another run: a difference is a warning.
+    """The benchmarked drafter's draft vocab (its ``d2t``, int64 ``[draft_V]``) against ``data.draft_vocab_size`` and,
+    when it exists, stage 03's ``{data_dir}/vocab_map.pt``, by :func:`stale_export`'s rule.
 
     Returns:
         warning lines (also logged).
@@ -355,12 +345,7 @@ def check_drafter_vocab(
 
 def check_drafter_shape(section, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
     """The benchmarked drafter's shape against the config's ``drafter:`` section (its non-null fields, ``variant``
-    and ``num_layers``; ``max_position_embeddings`` excepted: a re-export may change it alone).
-
-    05 scores the export, whatever the config says: a config edited after training (e.g. ``drafter.num_layers``)
-    would otherwise label the results with a drafter that was not measured. A run's own export (no ``--drafter``)
-    that differs is stale and refused; a drafter passed with ``--drafter`` may come from another run: a difference is
-    a warning.
+    and ``num_layers``; ``max_position_embeddings`` excepted) by :func:`stale_export`'s rule.
 
     Returns:
         warning lines (also logged).

@@ -159,6 +159,24 @@ def emitted_lengths(accepted: Sequence[int], num_tokens: int) -> list[int]:
     return out
 
 
+def spec_result(
+    raw: Sequence[int],
+    accepted: Sequence[int],
+    k: int,
+    eos: set[int],
+    max_new_tokens: int,
+    mismatch,
+) -> SpecResult:
+    """One row's :class:`SpecResult` from its output buffer ``raw`` (-1 = no token), accepted drafts per round and
+    recorded ``mismatch`` ``(index, gap)`` (index -1 or None: none), cut at EOS / ``max_new_tokens``."""
+    toks = cut([x for x in raw if x >= 0], eos, max_new_tokens)
+    lens = emitted_lengths(accepted, len(toks))
+    res = SpecResult(toks, lens, [[j < n - 1 for j in range(k)] for n in lens])
+    if mismatch is not None and 0 <= mismatch[0] < len(toks):
+        res.mismatch, res.gap = mismatch
+    return res
+
+
 def aux_states(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int]) -> torch.Tensor:
     """``cat(hidden_states[i] for i in aux_layers)`` -> ``[B, T, 3Ht]`` (HF index convention)."""
     return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)  # [B, T, 3Ht]
@@ -178,6 +196,17 @@ def accepted_prefix(drafts: torch.Tensor, verifier_argmax: torch.Tensor) -> torc
     match = (drafts == verifier_argmax[..., :k]).long()  # [(B,) k]
     a = match.cumprod(-1).sum(-1)
     return int(a) if drafts.dim() == 1 else a
+
+
+def reference_tensor(reference: Sequence[Sequence[int]], shape, device) -> torch.Tensor:
+    """Reference tokens as an int64 tensor of ``shape`` ``(B, W)`` on ``device``: row ``r`` = ``reference[r]`` cut to ``W``,
+    padded with -1 (no token there)."""
+    ref = torch.full(tuple(shape), -1, dtype=torch.long)
+    for r, toks in enumerate(reference):
+        toks = list(toks)[: shape[1]]
+        if toks:
+            ref[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+    return ref.to(device)
 
 
 def first_mismatch_update(logits, chosen, ref, idx, live, mm_idx, mm_gap):

@@ -29,15 +29,15 @@ from eagle3.decoding.common import (
     BatchGreedy,
     BatchSpec,
     PhaseTimer,
-    SpecResult,
     accepted_prefix,
     aux_states,
     check_prompts,
     cut,
     device_of,
-    emitted_lengths,
     first_mismatch_update,
     forward_params,
+    reference_tensor,
+    spec_result,
     sync,
 )
 from eagle3.decoding.sampling import Sampler
@@ -45,15 +45,6 @@ from eagle3.drafter.caches import DrafterCache
 from eagle3.engines.layers import check_aux_layers
 from eagle3.errors import UserError
 from eagle3.sdpa import no_cudnn_sdpa
-
-
-def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
-    """The KV cache under the forward's name for it (``past_key_values``, or ``cache`` in
-    transformers >= 5.24).
-    """
-    if cache is None:
-        return {}
-    return {"cache": cache} if "cache" in forward_params(model) else {"past_key_values": cache}
 
 
 def _returned_cache(out):
@@ -80,7 +71,9 @@ def _forward(verifier, ids, mask, pos, cache, hidden: bool, last_only: bool = Fa
     """One verifier forward over new slots ``ids [B, T]`` at ``pos [B, T]``; ``mask [B, S+T]`` covers
     the cached slots and the new ones (bool, True = real token). The ONE call both decoders use,
     so greedy and verify differ only in how many tokens they feed."""
-    kw = _cache_kwargs(verifier, cache)
+    # the KV cache under the forward's name for it (``cache`` in transformers >= 5.24)
+    key = "cache" if "cache" in forward_params(verifier) else "past_key_values"
+    kw = {} if cache is None else {key: cache}
     if last_only and "logits_to_keep" in forward_params(verifier):
         kw["logits_to_keep"] = 1
     return verifier(
@@ -146,20 +139,6 @@ def greedy_generate_batch(
     sync(device)
     seconds = time.perf_counter() - t0
     return BatchGreedy([cut(r, eos, max_new_tokens) for r in all_tok.tolist()], seconds, forwards)
-
-
-def _reference_tensor(
-    reference: Optional[Sequence[Sequence[int]]], B: int, width: int, device
-) -> Optional[torch.Tensor]:
-    """Reference tokens ``[B, width]`` padded with -1 (no token there), or None."""
-    if reference is None:
-        return None
-    ref = torch.full((B, width), -1, dtype=torch.long)
-    for r, toks in enumerate(reference):
-        toks = list(toks)[:width]
-        if toks:
-            ref[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-    return ref.to(device)
 
 
 @dataclass
@@ -320,17 +299,9 @@ def _host_copies(c: _Chain, max_new_tokens: int) -> tuple:
 def _spec_rows(host: tuple, k: int, eos: set[int], max_new_tokens: int, with_ref: bool):
     """One :class:`SpecResult` per row of :func:`_host_copies` (cut at EOS / ``max_new_tokens``)."""
     tokens, acc, mm_i, mm_g = host
-    results = []
-    for r in range(tokens.shape[0]):
-        toks = cut([x for x in tokens[r].tolist() if x >= 0], eos, max_new_tokens)
-        lens = emitted_lengths(acc[r].tolist(), len(toks))
-        res = SpecResult(
-            tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens]
-        )
-        if with_ref and mm_i[r] >= 0 and mm_i[r] < len(toks):
-            res.mismatch, res.gap = mm_i[r], mm_g[r]
-        results.append(res)
-    return results
+    refs = zip(mm_i, mm_g) if with_ref else [None] * len(mm_i)
+    rows = zip(tokens.tolist(), acc.tolist(), refs)
+    return [spec_result(t, a, k, eos, max_new_tokens, m) for t, a, m in rows]
 
 
 def _rounds(verifier, drafter, c: _Chain, steps: int, settings, timer, check_every: int) -> int:
@@ -391,7 +362,8 @@ def speculative_generate_batch(
     device = device_of(verifier)
     eos = {int(e) for e in eos_ids}
     eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)  # [E]
-    ref = _reference_tensor(reference, len(rows), max_new_tokens, device)
+    shape = (len(rows), max_new_tokens)
+    ref = None if reference is None else reference_tensor(reference, shape, device)
     timer = PhaseTimer(device)
     sync(device)
     t_start = time.perf_counter()

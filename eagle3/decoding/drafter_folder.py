@@ -14,11 +14,6 @@ from eagle3.io.read import relative_hint
 from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
 
 
-def check_drafter_arg(drafter_dir: str | Path) -> Path:
-    """The folder ``--drafter`` names, refused unless it is an exported drafter folder (:func:`export_folder`)."""
-    return export_folder(Path(drafter_dir))
-
-
 def export_folder(path: Path, missing_advice: Optional[Callable[[], str]] = None) -> Path:
     """``path`` when it is an exported drafter folder (it holds the ``config.json`` every export holds).
 

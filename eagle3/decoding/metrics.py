@@ -95,34 +95,22 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
 # one dataset
 # ---------------------------------------------------------------------------------------------
 def default_tie_tolerance(dtype: torch.dtype) -> float:
-    """The near-tie tolerance (logit units) used when ``benchmark.tie_tolerance`` is unset.
-
-    float32: 1e-3 (shape-dependent rounding of a 30-layer fp32 forward is ~1e-5; a larger gap is a
-    bug). bfloat16/float16: 0.25, two bf16 steps at logit magnitude 16-32 (8 significant bits), the
-    size of the rounding differences between a ``k+1``-token verify and a one-token greedy forward.
-    """
+    """The near-tie tolerance (logit units) used when ``benchmark.tie_tolerance`` is unset: float32 1e-3 (fp32
+    rounding is ~1e-5), else 0.25 (two bf16 steps at logit magnitude 16-32)."""
     return 1e-3 if dtype == torch.float32 else 0.25
 
 
-#: relative slack of :func:`speedup_warning`: the bound speedup <= tau holds per verify step; timing noise, the
-#: prefill (in both tokens/s, outside tau) and batched rows ending at different steps move a measured ratio a few
-#: percent around it
+#: relative slack of :func:`speedup_warning` (timing noise, the prefill, rows ending at different steps)
 SPEEDUP_SLACK = 0.05
 
 
 def speedup_warning(
     label: str, speedup: Optional[float], tau: Optional[float], baseline: str = "greedy decoding"
 ) -> Optional[str]:
-    """One warning line when a measured speedup exceeds what the acceptance length allows (None otherwise).
-
-    Chain speculative decoding emits ``tau`` tokens per verify step on average, and a verify step costs one verifier
-    forward over ``k + 1`` tokens (never cheaper than greedy's one-token forward on the same hardware) plus ``k``
-    drafter forwards; greedy spends one forward per token. So ``speedup = t_greedy / t_spec <= tau * c(1) / (c(k+1)
-    + k c_draft) <= tau``: the walltime improvement factor of Leviathan et al. 2023 (arXiv 2211.17192, section 3),
-    ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``, where ``(1 - a^(k+1)) / (1 - a)`` is the expected tokens per step (tau)
-    and ``k c + 1 >= 1`` a step's cost in one-token verifier forwards. A measured ratio above ``tau x (1 + SPEEDUP_SLACK)``
-    (e.g. 1.4x at tau 1.02: the drafter saved nothing) means the baseline was slowed (CPU contention, another
-    process, clocks) or, for two servers, ran on other hardware; it is not the drafter's speedup.
+    """One warning line when a measured speedup exceeds what the acceptance length allows (None otherwise): a verify
+    step emits ``tau`` tokens for one verifier forward over ``k + 1`` tokens plus ``k`` drafts, so ``speedup <= tau``
+    on the same hardware (Leviathan et al. 2023, arXiv 2211.17192, section 3); a ratio above ``tau x (1 +
+    SPEEDUP_SLACK)`` means the baseline was slowed or, for two servers, ran on other hardware.
 
     Args:
         label: the set, named first in the line.
@@ -178,15 +166,8 @@ def lossless_verdict(report: dict, tie_tolerance: float, strict: bool) -> Option
         f"(first: dataset {bad[0][0]}, prompt {bad[0][1]['id']}, token {bad[0][1]['index']}, logit gap "
         f"{'unknown' if gap is None else f'{gap:.4g}'})"
     )
-    report["warnings"].append(
-        msg
-        + (
-            ""
-            if strict
-            else "; reduced precision: raise benchmark.tie_tolerance only if "
-            "the gaps are rounding-sized"
-        )
-    )
+    hint = "; reduced precision: raise benchmark.tie_tolerance only if the gaps are rounding-sized"
+    report["warnings"].append(msg if strict else msg + hint)
     return msg
 
 
@@ -217,12 +198,7 @@ def acceptance_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def expected_tau(p: torch.Tensor, q: torch.Tensor) -> float:
     """Expected tau (tokens emitted per verify step) of chain speculative sampling from the draft and target
     distributions at each draft position: ``1 + sum_k prod_{i<=k} alpha_i`` (:func:`acceptance_probs`), averaged
-    over the leading dimensions.
-
-    Along teacher-forced positions (each draft step's ``q`` and ``p`` taken on the reference continuation, as
-    training's TTT steps compute them) this is the expected accepted length at the temperature the distributions
-    were processed at (:func:`eagle3.decoding.sampling.processed_probs`); at temperature 0 with one-hot ``p`` and
-    ``q`` it is greedy's simulated tau.
+    over the leading dimensions; at temperature 0 (one-hot ``p`` and ``q``) greedy's simulated tau.
 
     Args:
         p, q: ``[..., k, V]`` probabilities for draft positions ``1..k`` (same shape).

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from eagle3.decoding.decode import greedy_generate_batch, speculative_generate_batch
 from eagle3.decoding.metrics import acceptance_stats, first_mismatch
-from eagle3.decoding.sampling import Sampler, make_sampler
+from eagle3.decoding.sampling import make_sampler
 from eagle3.decoding.static_decode import StaticDecoder, capacity_for, resolve_decoder
 from eagle3.errors import UserError
 
@@ -65,7 +65,7 @@ def bench_prompts(
     settings = (aux_layers, steps, max_new_tokens, eos_ids)
     static, warm_s = None, 0.0
     if mode == "static":
-        static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], *settings)
+        static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], settings)
     t_wall = time.perf_counter()
     bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {effective}, {mode})",
                unit="prompt", disable=not progress)  # fmt: skip
@@ -77,32 +77,34 @@ def bench_prompts(
             static.close()
     bar.close()
     wall = time.perf_counter() - t_wall
-    extra = _run_facts(mode, warm_s, temperature, top_p, rejection_sample_method, static)
-    return {**tally.summary(label, effective, steps, wall, tie_tolerance), **extra}
-
-
-def _run_facts(mode, warm_s, temperature, top_p, method, static) -> dict:
-    """The decoder's facts :func:`bench_prompts` adds to a set's row: mode, warm-up seconds, sampling settings
-    (the rejection method only at temperature > 0), CUDA-graph use of a static decoder."""
-    extra = {"decoder": mode, "warm_up_seconds": warm_s, "temperature": temperature, "top_p": top_p}
+    row = tally.summary(label, effective, steps, wall, tie_tolerance)
+    row.update(decoder=mode, warm_up_seconds=warm_s, temperature=temperature, top_p=top_p)
     if temperature > 0:
-        extra["rejection_sample_method"] = method
+        row["rejection_sample_method"] = rejection_sample_method
     if static is not None:
-        extra["cuda_graphs"] = static.use_graphs
-        extra["graph_error"] = static.graph_error
-    return extra
+        row.update(cuda_graphs=static.use_graphs, graph_error=static.graph_error)
+    return row
 
 
 def _decode_all(static, models, prompts_ids, settings, batch_size, tie_tolerance, bar):
-    """Every batch of ``prompts_ids`` (longest first) through :func:`_decode_batch` with ``models`` =
-    ``(verifier, drafter, sampler or None)``; the :class:`_BenchTally`."""
+    """Every batch of ``prompts_ids`` (longest first) decoded greedily (plain sampling with a sampler), then
+    speculatively with greedy's tokens as the reference: through ``static`` (a
+    :class:`~eagle3.decoding.static_decode.StaticDecoder`, batch 1) when given, else the batched decoders.
+    ``models`` = ``(verifier, drafter, sampler or None)``, ``settings`` = ``(aux_layers, steps, max_new_tokens,
+    eos_ids)``; returns the :class:`_BenchTally`."""
     verifier, drafter, sampler = models
     order = sorted(range(len(prompts_ids)), key=lambda i: (-len(prompts_ids[i][1]), i))
     tally = _BenchTally(len(prompts_ids), sampled=sampler is not None)
     for b0 in range(0, len(order), batch_size):
         idx = order[b0 : b0 + batch_size]
         ids = [prompts_ids[i][1] for i in idx]
-        g, s = _decode_batch(static, verifier, drafter, ids, *settings, sampler=sampler)
+        if static is not None:
+            g = static.greedy(ids[0])
+            s = static.speculative(ids[0], reference=g.tokens[0])
+        else:
+            g = greedy_generate_batch(verifier, ids, *settings[2:], sampler=sampler)
+            ref = g.tokens if sampler is None else None
+            s = speculative_generate_batch(verifier, drafter, ids, *settings, ref, sampler=sampler)
         tally.add_batch(idx, prompts_ids, g, s, tie_tolerance)
         bar.update(len(idx))
     return tally
@@ -114,51 +116,14 @@ def effective_batch_size(batch_size: int, num_prompts: int) -> int:
     return max(1, min(batch_size, num_prompts))
 
 
-def _decode_batch(
-    static,
-    verifier,
-    drafter,
-    ids: list[list[int]],
-    aux_layers,
-    steps: int,
-    max_new_tokens: int,
-    eos_ids,
-    sampler: Optional[Sampler] = None,
-):
-    """Greedy then speculative decoding of one batch (greedy's tokens as the reference): through ``static`` (a
-    :class:`~eagle3.decoding.static_decode.StaticDecoder`, batch 1) when given, else the batched decoders; with
-    ``sampler``, plain sampling then speculative sampling (no reference)."""
-    if static is not None:
-        g = static.greedy(ids[0])
-        return g, static.speculative(ids[0], reference=g.tokens[0])
-    g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids, sampler=sampler)
-    ref = g.tokens if sampler is None else None
-    return g, speculative_generate_batch(
-        verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, ref, sampler=sampler
-    )
-
-
-def _open_static(
-    verifier,
-    drafter,
-    prompts: Sequence[list[int]],
-    aux_layers,
-    steps: int,
-    max_new_tokens: int,
-    eos_ids,
-):
-    """A :class:`~eagle3.decoding.static_decode.StaticDecoder` sized for ``prompts``, its graphs captured by an untimed
-    warm-up on the longest one: ``(decoder, warm-up seconds)``."""
+def _open_static(verifier, drafter, prompts: Sequence[list[int]], settings):
+    """A :class:`~eagle3.decoding.static_decode.StaticDecoder` sized for ``prompts`` (``settings`` as in
+    :func:`_decode_all`), its graphs captured by an untimed warm-up on the longest one: ``(decoder, warm-up
+    seconds)``."""
+    aux_layers, steps, max_new_tokens, eos_ids = settings
     t0 = time.perf_counter()
-    dec = StaticDecoder(
-        verifier,
-        capacity_for(prompts, max_new_tokens, steps),
-        max_new_tokens,
-        eos_ids,
-        drafter=drafter,
-        aux_layers=aux_layers,
-        steps=steps,
-    )
+    capacity = capacity_for(prompts, max_new_tokens, steps)
+    dec = StaticDecoder(verifier, capacity, max_new_tokens, eos_ids, drafter, aux_layers, steps)
     dec.warm_up(max(prompts, key=len))
     return dec, time.perf_counter() - t0
 

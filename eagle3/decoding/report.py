@@ -14,9 +14,6 @@ from typing import Optional, Sequence
 from eagle3.io import atomic_write_files
 
 
-# ---------------------------------------------------------------------------------------------
-# reports
-# ---------------------------------------------------------------------------------------------
 def _f(x: Optional[float], nd: int = 2) -> str:
     return "n/a" if x is None or x != x else f"{x:.{nd}f}"
 
@@ -48,16 +45,16 @@ def render_markdown(report: dict) -> str:
         f"max_new_tokens {report['max_new_tokens']}, {report['device']} {report['dtype']}, "
         f"aux layers (HF hidden_states indices) {report['aux_layers']}",
         "",
-        *([SAMPLED_NOTE, ""] if report.get("temperature") else []),
-        *(
-            [
-                f"prompts picked: {report['prompt_pick']} (benchmark.prompt_pick; ids per set in bench.json, "
-                f"datasets[].prompt_ids)",
-                "",
-            ]
-            if report.get("prompt_pick")
-            else []
-        ),
+    ]
+    if report.get("temperature"):
+        lines += [SAMPLED_NOTE, ""]
+    if report.get("prompt_pick"):
+        lines += [
+            f"prompts picked: {report['prompt_pick']} (benchmark.prompt_pick; ids per set in bench.json, "
+            f"datasets[].prompt_ids)",
+            "",
+        ]
+    lines += [
         "| dataset | prompts | batch | tau | greedy tok/s | EAGLE-3 tok/s | speedup | drafter share | wall s | lossless |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -204,17 +201,14 @@ def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> by
     else:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     width = 0.8 / max(1, len(datasets))
-    for ax, key, name in (
-        (axes[0], "conditional", "conditional"),
-        (axes[1], "unconditional", "unconditional"),
-    ):
+    for ax, key in zip(axes, ("conditional", "unconditional")):
         for j, d in enumerate(datasets):
             xs = [k + 1 + (j - (len(datasets) - 1) / 2) * width for k in range(steps)]
             vals = [0.0 if v is None or v != v else v for v in d[key]]
             ax.bar(xs, vals, width=width, label=f"{d['dataset']} (tau {_f(d['tau'])})")
         ax.set_xticks(range(1, steps + 1))
         ax.set_xlabel("draft position")
-        ax.set_title(f"{name} acceptance")
+        ax.set_title(f"{key} acceptance")
         ax.set_ylim(0, 1)
     axes[0].set_ylabel("rate")
     axes[0].legend(fontsize=8)
@@ -260,9 +254,8 @@ def render_server_markdown(report: dict) -> str:
     ]
     if report.get("prompt_pick"):
         lines += [f"prompts picked: {report['prompt_pick']}", ""]
-    lines += [f"Warning: {w}" for w in report.get("warnings") or []] + (
-        [""] if report.get("warnings") else []
-    )
+    if report.get("warnings"):
+        lines += [f"Warning: {w}" for w in report["warnings"]] + [""]
     lines += [
         "| server | speculative | tau | SGLang accept length | output tok/s | mean request tok/s | completion tokens | wall s |",
         "|---|---|---:|---:|---:|---:|---:|---:|",

@@ -3,8 +3,8 @@ it captured, as ``scripts/vllm_probe.py`` reports them) against the same engine 
 against 05's offline decoding of the same prompts (``bench.json`` ``per_prompt``), taking plain arguments.
 
 Counts per prompt: ``verify_steps`` (verify forwards that had drafts), ``accepted`` (draft tokens accepted) and
-``per_pos`` (``steps`` ints: accepted drafts at draft position k). fp32 greedy makes them exact, so the gate asks for
-equality: a ratio band would pass an aux-layer wiring error on a weak drafter, which moves tau by a few percent."""
+``per_pos`` (``steps`` ints: accepted drafts at draft position k). fp32 greedy makes them exact: the gate asks for
+equality."""
 
 from __future__ import annotations
 

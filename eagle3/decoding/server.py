@@ -6,10 +6,8 @@ greedy (temperature 0). SGLang: ``POST {url}/generate``; the response's ``meta_i
 ``completion_tokens`` and, with speculation, ``spec_verify_ct``, ``spec_accept_length`` and
 ``spec_correct_drafts_histogram`` (``[a]`` = verify steps that accepted ``a`` drafts, counted before the cut at EOS /
 ``max_new_tokens``; :func:`emitted_histogram` moves each request's last step down to what it emitted). vLLM:
-``POST {url}/v1/completions`` (``prompt`` = ids, ``return_token_ids``); the figures are the server's own spec-decode
-counters at ``GET {url}/metrics`` (vLLM 0.32 ``v1/spec_decode/metrics.py``: drafts, draft tokens, accepted tokens,
-accepted per position), read after the warm-up and after the last request: the delta covers every request the server
-ran meanwhile, so another client's requests count too (:func:`bench_server` warns when the counts say so).
+``POST {url}/v1/completions`` (``prompt`` = ids, ``return_token_ids``); the figures are the deltas of its spec-decode
+counters at ``GET {url}/metrics`` between the warm-up and the last request (:mod:`eagle3.decoding.server_vllm`).
 
 Metrics (pooled, as :func:`eagle3.decoding.metrics.acceptance_stats`): ``tau`` = tokens emitted by verify steps /
 verify steps (SGLang: ``completion_tokens - 1`` per request / ``spec_verify_ct``; vLLM: 1 + accepted / drafts, as

@@ -94,7 +94,7 @@ def draft_folder_warnings(
             rec["not_checked"].append(unread)
         return [unread] if unread else [], rec
     rec["readable"] = True
-    out = _drafter_verifier_lines(Path(path), verifier_name, weights, rec)
+    out = _noted(rec, verifier_check(Path(path), verifier_name, None, weights, dims_checked=False))
     out += _steps_lines(url, Path(path), steps, rec, engine)
     out += _export_lines(url, Path(path), export_dir, engine, rec)
     return out + _folder_lines(path, shards_dir, rec, engine), rec
@@ -146,11 +146,9 @@ def _steps_lines(url: str, path: Path, steps: Optional[int], rec: dict, engine: 
     else:
         field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
         fix = "restart the server with --speculative-num-steps {k}"
-    warning, unchecked = ttt_length_check(
-        path, steps, field, fix=fix, unchecked_field=f"the server's {flag}"
+    return _noted(
+        rec, ttt_length_check(path, steps, field, fix=fix, unchecked_field=f"the server's {flag}")
     )
-    rec["not_checked"] += [unchecked] if unchecked else []
-    return [warning] if warning else []
 
 
 def _folder_lines(path: str, shards_dir: Path, rec: dict, engine: str = "sglang") -> list[str]:
@@ -181,13 +179,12 @@ def _folder_lines(path: str, shards_dir: Path, rec: dict, engine: str = "sglang"
     return warnings + rec["not_checked"]
 
 
-def _drafter_verifier_lines(folder: Path, name: str, fp: Optional[str], rec: dict) -> list[str]:
-    """The readable folder's recorded verifier against the configured one (name, weights
-    fingerprint); a check that cannot be made goes to ``rec["not_checked"]``. Returns the lines.
-    """
-    mismatch, unchecked = verifier_check(folder, name, None, fp, dims_checked=False)
+def _noted(rec: dict, check: tuple[Optional[str], Optional[str]]) -> list[str]:
+    """A ``(warning, not_checked)`` check of :mod:`eagle3.decoding.checks`: its not-checked line appended to
+    ``rec["not_checked"]``; returns ``[warning]`` or ``[]``."""
+    warning, unchecked = check
     rec["not_checked"] += [unchecked] if unchecked else []
-    return [mismatch] if mismatch else []
+    return [warning] if warning else []
 
 
 def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -> Optional[str]:
@@ -282,23 +279,14 @@ def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
         ours = weights_fingerprint(vcfg)
         if ours and sp.is_dir() and source_weights(sp) == ours:
             return "same weights", f"written from verifier.path's weights ({SOURCE_FILE})"
+        if theirs and theirs == ours:
+            return "same weights", "a copy of its weight files"
         if theirs and ours:
-            return (
-                ("same weights", "a copy of its weight files")
-                if theirs == ours
-                else (
-                    "differs",
-                    "its weight files are not those at verifier.path (verifier_weights fingerprints differ)",
-                )
-            )
+            why = "its weight files are not those at verifier.path (verifier_weights fingerprints differ)"
+            return "differs", why
+    mine_name = mine.name if mine is not None else None
     names = {
-        n.lower()
-        for n in (
-            mine.name if mine is not None else None,
-            vcfg.gguf_file,
-            Path(vcfg.name).name if vcfg.name else None,
-        )
-        if n
+        n.lower() for n in (mine_name, vcfg.gguf_file, vcfg.name and Path(vcfg.name).name) if n
     }
     name = sp.name.lower() or served.lower()
     if name in names:
@@ -422,15 +410,14 @@ def check_servers(
     name, fp = vcfg.display_name(), weights_fingerprint(vcfg)
     notes, folder = draft_folder_warnings(urls[0], name, fp, shards_dir, export_dir=export_dir)
     model_notes, served = served_model_warnings(vcfg, urls)
-    other_template, template_unchecked = template_check(
-        shards_dir, tokenizer, chat, say_missing=True
+    template = (
+        template_check(shards_dir, tokenizer, chat, say_missing=True),
+        template_kwargs_check(shards_dir, vcfg.chat_template_kwargs),
     )
-    other_kwargs, kwargs_unchecked = template_kwargs_check(shards_dir, vcfg.chat_template_kwargs)
-    template = (other_template, template_unchecked, other_kwargs, kwargs_unchecked)
-    notes += model_notes + [w for w in template if w]
-    unchecked = (
-        folder["not_checked"]
-        + [w for r in served for w in r["not_checked"]]
-        + [w for w in (template_unchecked, kwargs_unchecked) if w]
-    )
-    return notes, {"not_checked": unchecked, "draft_folder": folder, "served_model": served}
+    notes += model_notes + [w for pair in template for w in pair if w]
+    unchecked = folder["not_checked"] + [w for r in served for w in r["not_checked"]]
+    return notes, {
+        "not_checked": unchecked + [u for _, u in template if u],
+        "draft_folder": folder,
+        "served_model": served,
+    }

@@ -24,14 +24,14 @@ from eagle3.decoding.common import (
     BatchGreedy,
     BatchSpec,
     PhaseTimer,
-    SpecResult,
     accepted_prefix,
     aux_states,
     check_prompts,
     cut,
-    emitted_lengths,
     first_mismatch_update,
     forward_params,
+    reference_tensor,
+    spec_result,
     sync,
 )
 from eagle3.drafter.attention import _sdpa
@@ -160,19 +160,15 @@ class StaticDecoder:
         self.ref = torch.full((1, max_new_tokens), -1, **z)  # [1, T] reference tokens (-1 = none)
         self.mm_idx = torch.full((1,), -1, **z)  # [1]
         self.mm_gap = torch.zeros(1, dtype=torch.float32, device=self.dev)  # [1]
-        # [R] accepted drafts per round
-        self.acc = torch.full((max_new_tokens + check_every + 2,), -1, **z)
+        self.acc = torch.full((max_new_tokens + check_every + 2,), -1, **z)  # [R] accepted drafts
         self.r = torch.zeros(1, **z)  # [1] round counter
         self.drafts = torch.zeros(1, k, **z)  # [1, k] hand-off draft -> verify
         self.pred = torch.zeros(1, k + 1, **z)  # [1, k+1] hand-off verify -> chunk: verifier argmax
         self.vpos = torch.zeros(1, k + 1, **z)  # [1, k+1] verified positions
         self.a = torch.zeros(1, **z)  # [1] accepted drafts of the last verify
-        # [1, k+1, 3Ht] verified positions' aux (1st prefill)
-        self.aux: Optional[torch.Tensor] = None
-        # [1, 1, H] step output that drafts the next token
-        self.h_prev: Optional[torch.Tensor] = None
-        # [1] live flag of the last verify
-        self.live = torch.zeros(1, dtype=torch.bool, device=self.dev)
+        self.aux: Optional[torch.Tensor] = None  # [1, k+1, 3Ht] verified positions' aux
+        self.h_prev: Optional[torch.Tensor] = None  # [1, 1, H] step output drafting the next token
+        self.live = torch.zeros(1, dtype=torch.bool, device=self.dev)  # [1] live at the last verify
 
     def _vforward(
         self, ids: torch.Tensor, pos: torch.Tensor, hidden: bool, last_only: bool = False
@@ -194,12 +190,16 @@ class StaticDecoder:
         ids = torch.tensor([row], dtype=torch.long, device=self.dev)  # [1, P]
         return ids, torch.arange(len(row), device=self.dev)[None]  # [1, P]
 
-    def _check_len(self, prompt: list[int]) -> None:
-        need = len(prompt) + self.max_new + 2 * self.k + 2
+    def _row(self, prompt: Sequence[int]) -> list[int]:
+        """``prompt`` as a list of ints (:func:`eagle3.decoding.common.check_prompts`); ValueError when it does
+        not fit :attr:`capacity`."""
+        row = check_prompts([prompt])[0]
+        need = len(row) + self.max_new + 2 * self.k + 2
         if need > self.capacity:
             raise ValueError(
-                f"StaticDecoder: a prompt of {len(prompt)} tokens needs {need} cache columns, capacity {self.capacity}"
+                f"StaticDecoder: a prompt of {len(row)} tokens needs {need} cache columns, capacity {self.capacity}"
             )
+        return row
 
     def _reset(self, first: torch.Tensor, P: int, reference: Optional[Sequence[int]]) -> None:
         """State after the prefill: ``first`` ``[1]`` the prefill's token, ``P`` prompt positions cached."""
@@ -211,11 +211,9 @@ class StaticDecoder:
         self.out_tok[:, 0] = first
         self.acc.fill_(-1)
         self.r.zero_()
-        self.ref.fill_(-1)
-        if reference is not None:
-            toks = list(reference)[: self.max_new]
-            if toks:
-                self.ref[0, : len(toks)] = torch.tensor(toks, dtype=torch.long, device=self.dev)
+        self.ref.copy_(
+            reference_tensor([] if reference is None else [reference], self.ref.shape, self.dev)
+        )
         self.mm_idx.fill_(-1)
         self.mm_gap.zero_()
 
@@ -259,11 +257,7 @@ class StaticDecoder:
         live = ~self.done  # [1]
         emit_idx = self.e[:, None] + self.jj  # [1, k+1]
         write = keep & live[:, None] & (emit_idx < self.max_new)  # [1, k+1]
-        mi, mg = first_mismatch_update(
-            logits, pred, self.ref, emit_idx, write, self.mm_idx, self.mm_gap
-        )
-        self.mm_idx.copy_(mi)
-        self.mm_gap.copy_(mg)
+        self._mismatch(logits, pred, emit_idx, write)
         self.out_tok.scatter_(
             1, torch.where(write, emit_idx, torch.full_like(emit_idx, self.width - 1)), pred
         )
@@ -280,6 +274,14 @@ class StaticDecoder:
         self.a.copy_(a)
         self.live.copy_(live)
         self.aux.copy_(aux_states(out.hidden_states, self.aux_layers))  # [1, k+1, 3Ht]
+
+    def _mismatch(self, logits, chosen, idx, live) -> None:
+        """:func:`first_mismatch_update` of ``mm_idx`` / ``mm_gap`` in place against ``ref``."""
+        mi, mg = first_mismatch_update(
+            logits, chosen, self.ref, idx, live, self.mm_idx, self.mm_gap
+        )
+        self.mm_idx.copy_(mi)
+        self.mm_gap.copy_(mg)
 
     def _chunk(self) -> None:
         """The drafter's step 0 over the verified positions (graph body): position ``vpos[j]`` takes token
@@ -337,24 +339,11 @@ class StaticDecoder:
             t.copy_(v)
         return g
 
+    #: the device tensors the graphs read and write in place (``aux`` / ``h_prev`` once the first prefill made them)
+    _STATE = "n last e done out_tok mm_idx mm_gap acc r drafts pred vpos a live aux h_prev".split()
+
     def _state(self) -> list:
-        ts = [
-            self.n,
-            self.last,
-            self.e,
-            self.done,
-            self.out_tok,
-            self.mm_idx,
-            self.mm_gap,
-            self.acc,
-            self.r,
-            self.drafts,
-            self.pred,
-            self.vpos,
-            self.a,
-            self.live,
-        ]
-        return ts + [t for t in (self.aux, self.h_prev) if t is not None]
+        return [t for t in (getattr(self, n) for n in self._STATE) if t is not None]
 
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int]) -> BatchGreedy:
@@ -363,8 +352,7 @@ class StaticDecoder:
         Raises:
             UserError: an empty prompt. ValueError: the prompt does not fit :attr:`capacity`.
         """
-        row = check_prompts([prompt])[0]
-        self._check_len(row)
+        row = self._row(prompt)
         with no_cudnn_sdpa():
             sync(self.dev)
             t0 = time.perf_counter()
@@ -396,13 +384,8 @@ class StaticDecoder:
         plogits = out.logits[:, -1:]  # [1, 1, V]
         first = plogits[:, 0].argmax(-1)  # [1]
         self._reset(first, len(row), reference)
-        zero = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
-        one = torch.ones_like(zero, dtype=torch.bool)
-        mi, mg = first_mismatch_update(
-            plogits, first[:, None], self.ref, zero, one, self.mm_idx, self.mm_gap
-        )
-        self.mm_idx.copy_(mi)
-        self.mm_gap.copy_(mg)
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.dev)  # [1, 1] output index 0
+        self._mismatch(plogits, first[:, None], zero, zero == 0)
         aux = aux_states(out.hidden_states, self.aux_layers)  # [1, P, 3Ht]
         if self.aux is None:
             self.aux = aux.new_zeros(1, self.k + 1, aux.shape[-1])
@@ -445,8 +428,7 @@ class StaticDecoder:
         """
         if self.drafter is None:
             raise UserError("StaticDecoder.speculative: built without a drafter")
-        row = check_prompts([prompt])[0]
-        self._check_len(row)
+        row = self._row(prompt)
         timer = PhaseTimer(self.dev)
         with no_cudnn_sdpa():
             sync(self.dev)
@@ -458,12 +440,8 @@ class StaticDecoder:
             mm_i, mm_g = int(self.mm_idx), float(self.mm_gap)
             sync(self.dev)
             seconds = time.perf_counter() - t0
-        toks = cut([x for x in toks if x >= 0], self.eos, self.max_new)
-        lens = emitted_lengths(acc, len(toks))
-        accepted = [[j < L - 1 for j in range(self.k)] for L in lens]
-        res = SpecResult(tokens=toks, accept_lengths=lens, accepted=accepted)
-        if reference is not None and 0 <= mm_i < len(toks):
-            res.mismatch, res.gap = mm_i, mm_g
+        mismatch = (mm_i, mm_g) if reference is not None else None
+        res = spec_result(toks, acc, self.k, self.eos, self.max_new, mismatch)
         return BatchSpec([res], seconds, timer.seconds("draft"), timer.seconds("verify"), rounds)
 
     def warm_up(self, prompt: Sequence[int]) -> None:
@@ -479,10 +457,9 @@ class StaticDecoder:
             self._swap.__exit__(None, None, None)
             self._swap = None
         self.graphs.clear()
-        self.kv.k.clear()
-        self.kv.v.clear()
-        self.dkv.k.clear()
-        self.dkv.v.clear()
+        for cache in (self.kv, self.dkv):
+            cache.k.clear()
+            cache.v.clear()
 
     def __enter__(self) -> "StaticDecoder":
         return self

@@ -153,7 +153,7 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
         UserError: the folder is missing or no export; the message names where it came from.
     """
     if drafter_dir:
-        return drafter_folder.check_drafter_arg(drafter_dir)
+        return drafter_folder.export_folder(Path(drafter_dir))
     path = Path(cfg.export_dir)
     return drafter_folder.export_folder(
         path,
