@@ -355,12 +355,8 @@ def check_probe_finite(hidden_states: Sequence[torch.Tensor], logits: torch.Tens
     if bad is None and bool(torch.isfinite(logits).all()):
         return
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    where = (
-        "the logits"
-        if bad is None
-        else f"HF hidden_states[{bad}]"
-        + (" (the last hidden state)" if bad == len(hidden_states) - 1 else "")
-    )
+    last = " (the last hidden state)" if bad == len(hidden_states) - 1 else ""
+    where = "the logits" if bad is None else f"HF hidden_states[{bad}]{last}"
     raise UserError(
         f"verifier probe forward (8 tokens, before any sample): {where} has NaN/Inf with verifier.dtype "
         f"{dtype}; {NONFINITE_FIX}"

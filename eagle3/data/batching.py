@@ -70,11 +70,8 @@ class TokenBudgetBatchSampler:
     ):
         self.lengths = [int(n) for n in lengths]
         self.batch_tokens = int(batch_tokens)
-        self.num_replicas, self.rank, self.grad_accum = (
-            int(num_replicas),
-            int(rank),
-            int(grad_accum),
-        )
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        self.grad_accum = int(grad_accum)
         self.seed, self.window, self.shuffle = int(seed), int(window), shuffle
         self.epoch = 0
         self.start_batch = 0
@@ -126,9 +123,8 @@ class TokenBudgetBatchSampler:
 
     def steps_after(self, epoch: int, start_batch: int) -> int:
         """Optimizer steps of ``epoch`` after its first ``start_batch`` global batches."""
-        return max(0, len(self.epoch_plan(epoch)) - start_batch) // (
-            self.num_replicas * self.grad_accum
-        )
+        per_step = self.num_replicas * self.grad_accum
+        return max(0, len(self.epoch_plan(epoch)) - start_batch) // per_step
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of ``epoch`` (the same on every rank)."""

@@ -199,14 +199,6 @@ def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
         p.id = new
 
 
-def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
-    out = [
-        EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
-        for _, p in iter_humaneval()
-    ]
-    return out[:num_prompts] if num_prompts is not None else out
-
-
 def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "first") -> list[T]:
     """A subset of ``num_prompts`` items (all of them when None or >= ``len(items)``), in set order.
 
@@ -301,7 +293,10 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[Eval
         UserError: shared data folder or file missing, a malformed row.
     """
     if name == "humaneval":
-        everything = _humaneval(None)
+        everything = [
+            EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
+            for _, p in iter_humaneval()
+        ]
     elif name == "mtbench":
         everything = load_prompt_file(shared_file("eval/mt_bench_question.jsonl"))
     elif name == "gsm8k":
