@@ -12,6 +12,7 @@ beyond ``max_pending_tokens`` uncommitted tokens.
 from __future__ import annotations
 
 import collections
+import math
 import sys
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -116,9 +117,8 @@ class ShardWriter:
             raise ValueError(
                 "ShardWriter: processes=True writes token-only samples only (no storage)"
             )
-        self._group: list[
-            tuple[dict, tuple[int, list[int], list[int]]]
-        ] = []  # processes: samples not yet sent
+        # processes: samples not yet sent
+        self._group: list[tuple[dict, tuple[int, list[int], list[int]]]] = []
         if self.processes:
             from eagle3.capture.tokenize_pool import process_context
 
@@ -179,13 +179,12 @@ class ShardWriter:
         self._pending.append((meta, fut))
         self._pending_tokens += L
 
-    def _make_room(self, L: int) -> None:
-        """Commit what is done, then wait while ``L`` more tokens would pass ``max_pending_tokens``."""
+    def _make_room(self, L: float) -> None:
+        """Commit what is done, then wait while ``L`` more tokens would pass ``max_pending_tokens`` (``inf``: until
+        every write is committed)."""
         self.commit_ready()
         while self._pending and self._pending_tokens + L > self.max_pending_tokens:
-            self._pending[0][
-                1
-            ].exception()  # wait for the oldest write; commit_ready raises its error
+            self._pending[0][1].exception()  # wait for the oldest; commit_ready raises its error
             self.commit_ready()
 
     def _send_group(self) -> None:
@@ -237,11 +236,7 @@ class ShardWriter:
     def flush(self) -> None:
         """Wait for every queued write and append all rows (raises the first write error)."""
         self._send_group()
-        while self._pending:
-            self._pending[0][
-                1
-            ].exception()  # wait without raising here; commit_ready raises in order
-            self.commit_ready()
+        self._make_room(math.inf)
 
     def close(self, wait_commit: bool = True) -> None:
         """Flush (when ``wait_commit``) and stop the threads; with ``wait_commit=False`` queued writes
