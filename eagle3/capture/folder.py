@@ -52,11 +52,9 @@ def merge_rank_manifests(root: Path) -> int:
     Raises:
         UserError: a rank manifest is corrupt other than in its last line.
     """
-    parts = (
-        sorted(p for p in root.iterdir() if p.is_file() and is_rank_manifest(p.name))
-        if root.is_dir()
-        else []
-    )
+    if not root.is_dir():
+        return 0
+    parts = sorted(p for p in root.iterdir() if p.is_file() and is_rank_manifest(p.name))
     if not parts:
         return 0
     rows = dict(read_manifest(root / MANIFEST).rows)

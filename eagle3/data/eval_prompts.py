@@ -123,12 +123,8 @@ class EvalRow(BaseModel):
             return _user(
                 self.turns[0] if self.turns else self.prompt or self.question or self.instruction
             )
-        out = []
-        for m in self.messages:
-            out.append({"role": m.role, "content": m.content})
-            if m.role == "user":
-                return out
-        return out
+        first_user = next(k for k, m in enumerate(self.messages) if m.role == "user")  # validated
+        return [{"role": m.role, "content": m.content} for m in self.messages[: first_user + 1]]
 
 
 def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
