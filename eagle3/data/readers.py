@@ -58,12 +58,8 @@ FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "
 """``prompts.format`` values: :class:`eagle3.settings.prompts.PromptsConfig`'s Literal, 01's ``--format`` choices."""
 
 _SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "assistant", "chatgpt", "bing"), "assistant"),
     "system": "system",
 }
 _ID_KEYS = ("id", "question_id", "uid", "task_id")
