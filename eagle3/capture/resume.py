@@ -244,8 +244,7 @@ def weights_unchecked(root: Path, state: Any, weights: dict) -> Optional[str]:
     run's (:func:`weights_changed`) because only one side has a fingerprint: the folder's record (``state``:
     ``extract_state.json``, else ``data_config.json``) has none (shards of a 02 from before 2026-12-05f) or the
     folder at ``verifier.path`` holds no weight file here (``weights`` ``{}``); None when both or neither have one
-    (neither: :func:`eagle3.shards.checks.check_verifier` says so at 03/04). 02 resumed into such a folder, or found
-    it up to date, without a word."""
+    (neither: :func:`eagle3.shards.checks.check_verifier` says so at 03/04)."""
     now = weights.get("verifier_weights")
     was, where = recorded_weights(root, state)
     if bool(was) == bool(now):
