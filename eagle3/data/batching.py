@@ -12,6 +12,7 @@ and deals the rest to the current ranks.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -109,13 +110,9 @@ class TokenBudgetBatchSampler:
 
     def batches_for_samples(self, epoch: int, samples: int) -> int:
         """Leading batches of ``epoch``'s plan that hold ``samples`` samples; UserError when no prefix holds exactly that."""
-        total = 0
-        for n, b in enumerate(self.epoch_plan(epoch)):
-            if total == samples:
-                return n
-            total += len(b)
-        if total == samples:
-            return len(self.epoch_plan(epoch))
+        prefixes = list(itertools.accumulate(map(len, self.epoch_plan(epoch)), initial=0))
+        if samples in prefixes:
+            return prefixes.index(samples)
         raise UserError(
             f"checkpoint: key 'samples_in_epoch' {samples} is not a batch boundary of epoch {epoch}'s "
             f"token-budget plan (train.batch_tokens {self.batch_tokens}): the shards or split changed"
