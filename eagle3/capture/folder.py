@@ -104,11 +104,8 @@ def wipe_shards_dir(root: Path) -> int:
 
 def iter_stage_files(root: Path):
     for entry in root.iterdir():
-        if entry.name == STATE:
-            continue
-        if (entry.is_dir() and entry.name.startswith("rows_")) or (
-            entry.is_file() and is_stage_file(entry)
-        ):
+        rows_dir = entry.is_dir() and entry.name.startswith("rows_")
+        if entry.name != STATE and (rows_dir or (entry.is_file() and is_stage_file(entry))):
             yield entry
 
 
