@@ -35,16 +35,17 @@ def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
     ex = extract
     if ex.backend == "hf":
         model, tok = load_verifier(verifier)
-        n = verifier_dims(model.config)["num_layers"]
-        layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
+        config = model.config
+    else:
+        for key, why in SGLANG_REQUIRED.items():
+            if not getattr(ex, key):
+                raise UserError(f"extract.{key}: required for backend sglang ({why})")
+        tok, config = load_tokenizer(verifier), load_verifier_config(verifier)
+    n = verifier_dims(config)["num_layers"]
+    layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
+    if ex.backend == "hf":
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         return HFCapture(model, layers, batch_tokens=ex.batch_tokens, pad_id=pad), tok
-    for key, why in SGLANG_REQUIRED.items():
-        if not getattr(ex, key):
-            raise UserError(f"extract.{key}: required for backend sglang ({why})")
-    tok = load_tokenizer(verifier)
-    n = verifier_dims(load_verifier_config(verifier))["num_layers"]
-    layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
     return sglang_backend(
         ex.sglang_url,
         ex.capture_dir,
@@ -61,12 +62,10 @@ def resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
     """The aux layer ids to capture: ``layers`` checked against ``num_layers``, or the EAGLE default
     ``[2, N//2, N-3]`` (None). Raises UserError naming ``extract.aux_layers``."""
     if layers is None:
-        return check_aux_layers(
-            default_aux_layers(num_layers),
-            num_layers,
-            field="extract.aux_layers (default [2, N//2, N-3])",
-        )
-    return check_aux_layers(layers, num_layers, field="extract.aux_layers")
+        layers, default = default_aux_layers(num_layers), " (default [2, N//2, N-3])"
+    else:
+        default = ""
+    return check_aux_layers(layers, num_layers, field="extract.aux_layers" + default)
 
 
 def checked_backend(verifier, extract, engine: str, backend, tokenizer) -> tuple:

@@ -70,9 +70,6 @@ class DiskPlan:
     # old shards --overwrite deletes once the plan fits (counted in free_bytes)
     freed_by_overwrite: int = 0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def describe(self) -> str:
         """One human-readable line: samples, tokens, estimate, margin, free space."""
         return (
@@ -96,9 +93,8 @@ def shard_size_model(
     """
     sizes = []
     for L in PROBE_LENGTHS:
-        states = [
-            torch.ones(L, hidden_size, dtype=torch.bfloat16) for _ in range(num_states)
-        ]  # [L, H]
+        # distinct tensors: torch.save stores a shared one once
+        states = [torch.ones(L, hidden_size, dtype=torch.bfloat16) for _ in range(num_states)]
         buf = io.BytesIO()
         torch.save(encode([0] * L, states, [0] * L), buf)
         sizes.append(buf.tell())
@@ -108,17 +104,7 @@ def shard_size_model(
 
 
 def _round_up(n: int | float, block: int) -> int:
-    n = int(round(n))
-    return -(-n // block) * block
-
-
-def block_size_of(folder: str | os.PathLike) -> int:
-    """The filesystem's allocation unit (``statvfs().f_frsize``; 4096 when unknown)."""
-    try:
-        st = os.statvfs(folder)
-        return int(st.f_frsize or st.f_bsize or 4096)
-    except (OSError, AttributeError):
-        return 4096
+    return -(-int(round(n)) // block) * block
 
 
 def plan_disk(
@@ -149,23 +135,41 @@ def plan_disk(
     overhead, per_token = shard_size_model(hidden_size, encode)
     free_b, where = free if free is not None else free_bytes(root)
     free_b += freed_by_overwrite
-    block = block_size_of(where)
-    tokens = sum(n for _, n in pending)
-    shard_bytes, metadata, allocated = _footprint(
-        pending, pending_idx, overhead, per_token, block, rows_per_dir, skipped_ids
+    try:  # the filesystem's allocation unit
+        st = os.statvfs(where)
+        block = int(st.f_frsize or st.f_bsize or 4096)
+    except (OSError, AttributeError):
+        block = 4096
+    sizes = [overhead + per_token * n for _, n in pending]
+    shard_bytes = sum(int(round(x)) for x in sizes)
+    # the manifest rows as ManifestWriter writes them (checksum included), one line each
+    checksum = "0" * HEX_LEN[DEFAULT_ALGO]
+    man = sum(
+        len(
+            json.dumps(
+                {"idx": i, "id": sid, "num_tokens": n, "num_loss_tokens": n, DEFAULT_ALGO: checksum}
+            )
+        )
+        + 1
+        for i, (sid, n) in zip(pending_idx, pending)
     )
+    # the skipped id lists go into data_config.json and the report
+    files = FIXED_METADATA_BYTES + 2 * len(json.dumps(skipped_ids or {}))
+    new_dirs = {i // rows_per_dir for i in pending_idx}  # one block per new rows_* folder
+    allocated = sum(_round_up(x, block) for x in sizes) + _round_up(man, block)
+    allocated += _round_up(files, block) + len(new_dirs) * block
     margin_b = max(int(margin * allocated), int(margin_bytes))
     needed = allocated + margin_b
     return DiskPlan(
         path=str(where),
         samples=len(pending),
-        tokens=tokens,
+        tokens=sum(n for _, n in pending),
         hidden_bytes_per_token=int(hidden_bytes_per_token),
         file_bytes_per_token=per_token,
         file_overhead_bytes=overhead,
         shard_bytes=shard_bytes,
-        metadata_bytes=metadata,
-        bytes=shard_bytes + metadata,
+        metadata_bytes=man + files,
+        bytes=shard_bytes + man + files,
         block_size=block,
         allocated_bytes=allocated,
         margin_bytes=margin_b,
@@ -174,57 +178,6 @@ def plan_disk(
         fits=free_b >= needed,
         checked=True,
         freed_by_overwrite=int(freed_by_overwrite),
-    )
-
-
-def _footprint(
-    pending: Sequence[tuple[str, int]],
-    pending_idx: Sequence[int],
-    overhead: float,
-    per_token: float,
-    block: int,
-    rows_per_dir: int,
-    skipped_ids: Optional[dict],
-) -> tuple[int, int, int]:
-    """``(shard bytes, metadata bytes, allocated bytes)`` of writing ``pending`` (:func:`plan_disk`'s arguments):
-    each shard ``overhead + per_token x tokens`` rounded up to ``block``, the manifest and the metadata files
-    (the skipped id lists go into data_config.json and the report), one block per new ``rows_*`` folder."""
-    shard_bytes = 0
-    allocated = 0
-    for _, n in pending:
-        size = overhead + per_token * n
-        shard_bytes += int(round(size))
-        allocated += _round_up(size, block)
-    man = _manifest_bytes(pending, pending_idx)
-    ids_json = len(json.dumps(skipped_ids or {}))
-    # the id lists go into data_config.json and the report
-    metadata = man + FIXED_METADATA_BYTES + 2 * ids_json
-    new_dirs = {i // rows_per_dir for i in pending_idx}
-    allocated += (
-        _round_up(man, block)
-        + _round_up(FIXED_METADATA_BYTES + 2 * ids_json, block)
-        + len(new_dirs) * block
-    )
-    return shard_bytes, metadata, allocated
-
-
-def _manifest_bytes(pending: Sequence[tuple[str, int]], pending_idx: Sequence[int]) -> int:
-    """Bytes of the manifest rows of ``pending`` (``(id, num_tokens)``) as ManifestWriter writes them (checksum
-    included), one line each."""
-    return sum(
-        len(
-            json.dumps(
-                {
-                    "idx": i,
-                    "id": sid,
-                    "num_tokens": n,
-                    "num_loss_tokens": n,
-                    DEFAULT_ALGO: "0" * HEX_LEN[DEFAULT_ALGO],
-                }
-            )
-        )
-        + 1
-        for i, (sid, n) in zip(pending_idx, pending)
     )
 
 
@@ -283,8 +236,9 @@ def plan_pending(
     """
     encode = functools.partial(shard_object, storage=storage)
     hidden_bpt = bytes_per_token(hidden_size, storage=storage)
-    if tokens_only:
-        encode, hidden_bpt = _token_encode, 0
+    if tokens_only:  # token-only shards: the probe's states are dropped
+        hidden_bpt = 0
+        encode = lambda input_ids, _states, loss_mask: shard_object(input_ids, None, loss_mask)  # noqa: E731
     plan = plan_disk(
         root,
         [(s.id, len(s.input_ids)) for s in todo],
@@ -298,9 +252,4 @@ def plan_pending(
         skipped_ids=skipped_ids,
         freed_by_overwrite=freed_by_overwrite,
     )
-    return check_disk(plan, ignore).to_dict()
-
-
-def _token_encode(input_ids, _hidden_states, loss_mask) -> dict:
-    """The shard encoder of token-only samples (the states of the probe are dropped)."""
-    return shard_object(input_ids, None, loss_mask)
+    return asdict(check_disk(plan, ignore))

@@ -52,11 +52,9 @@ def merge_rank_manifests(root: Path) -> int:
     Raises:
         UserError: a rank manifest is corrupt other than in its last line.
     """
-    parts = (
-        sorted(p for p in root.iterdir() if p.is_file() and is_rank_manifest(p.name))
-        if root.is_dir()
-        else []
-    )
+    if not root.is_dir():
+        return 0
+    parts = sorted(p for p in root.iterdir() if p.is_file() and is_rank_manifest(p.name))
     if not parts:
         return 0
     rows = dict(read_manifest(root / MANIFEST).rows)
@@ -106,11 +104,8 @@ def wipe_shards_dir(root: Path) -> int:
 
 def iter_stage_files(root: Path):
     for entry in root.iterdir():
-        if entry.name == STATE:
-            continue
-        if (entry.is_dir() and entry.name.startswith("rows_")) or (
-            entry.is_file() and is_stage_file(entry)
-        ):
+        rows_dir = entry.is_dir() and entry.name.startswith("rows_")
+        if entry.name != STATE and (rows_dir or (entry.is_file() and is_stage_file(entry))):
             yield entry
 
 

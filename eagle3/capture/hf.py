@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -144,9 +145,7 @@ class HFCapture:
         Returns:
             ``[aux1, aux2, aux3, last]``, each ``[B, L, H]`` in the model's dtype (padded rows: garbage).
         """
-        if self._hooks_ok is None:
-            self._hooks_ok = self._check_hooks()
-        return (self._states_hooked if self._hooks_ok else self._states_all)(ids, attention_mask)
+        return self._states(ids, attention_mask)
 
     @property
     def device(self) -> torch.device:
@@ -190,6 +189,16 @@ class HFCapture:
             return None
         return decoder, layers
 
+    def _states(self, ids: torch.Tensor, att: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """The 4 states ``[B, Lmax, H]``: by hooks once :meth:`_check_hooks` (first call) found them exact."""
+        if self._hooks_ok is None:
+            self._hooks_ok = self._check_hooks()
+        return (self._states_hooked if self._hooks_ok else self._states_all)(ids, att)
+
+    def _probe(self) -> list[int]:
+        """The probe forwards' token ids: ``min(8, vocab)`` ids spread over the vocab."""
+        return [i * 7919 % self.vocab_size for i in range(min(8, self.vocab_size))]
+
     def _states_hooked(self, ids: torch.Tensor, att: Optional[torch.Tensor]) -> list[torch.Tensor]:
         """The 4 states via hooks: input of decoder layer i for each aux i, then the decoder output."""
         decoder, layers = self._hook_targets()
@@ -230,9 +239,8 @@ class HFCapture:
         """Whether the hooks reproduce ``output_hidden_states`` exactly, on a padded 2-sample probe."""
         if self._hook_targets() is None:
             return False
-        n = min(8, self.vocab_size)
-        seq = [int(i * 7919 % self.vocab_size) for i in range(n)]
-        ids, att = self._pad([seq, seq[: max(1, n // 2)]])  # [2, n], second row padded
+        seq = self._probe()
+        ids, att = self._pad([seq, seq[: max(1, len(seq) // 2)]])  # [2, n], second row padded
         try:
             hooked = self._states_hooked(ids, att)
         except (KeyError, IndexError, TypeError) as e:
@@ -257,11 +265,8 @@ class HFCapture:
     @torch.inference_mode()
     @no_cudnn_sdpa()  # padded lengths change per batch: no per-shape cuDNN plans (~40 ms/call on H200)
     def _forward(self, batch: list[list[int]], storage: Optional[Storage] = None) -> "_Part":
-        if self._hooks_ok is None:
-            self._hooks_ok = self._check_hooks()
         ids, att = self._pad(batch)  # [B, Lmax] right-padded; att None when nothing is padded
-        # 4 x [B, Lmax, H]
-        picks = (self._states_hooked if self._hooks_ok else self._states_all)(ids, att)
+        picks = self._states(ids, att)  # 4 x [B, Lmax, H]
         B, Lmax = ids.shape
         lengths = [len(s) for s in batch]
         H = picks[0].shape[-1]
@@ -286,9 +291,8 @@ class HFCapture:
                 pack[k].copy_(flat)  # [T, H]
             else:
                 torch.index_select(flat, 0, rows, out=pack[k])  # [T, H] real rows only
-        dev_t = [
-            pack
-        ]  # what goes to the host: bf16 states, or fp8 values + scales, + the finite flag
+        # what goes to the host: bf16 states, or fp8 values + scales, + the finite flag
+        dev_t = [pack]
         if storage is not None:
             # no sync: checked on the host later
             values, scales, finite = encode_batch(pack, storage)
@@ -332,12 +336,7 @@ class HFCapture:
 
     @torch.inference_mode()
     def _detect_last_norm(self) -> LastHiddenState:
-        n = min(8, self.vocab_size)
-        ids = (
-            (torch.arange(n, dtype=torch.long) * 7919 % self.vocab_size)
-            .unsqueeze(0)
-            .to(self.device)
-        )  # [1, n]
+        ids = torch.tensor([self._probe()], dtype=torch.long, device=self.device)  # [1, n]
         out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._fwd_kw)
         check_probe_finite(out.hidden_states, out.logits, self.model)
         return last_hidden_state_kind(self.model, out.hidden_states[-1], out.logits)
@@ -356,42 +355,35 @@ def check_probe_finite(hidden_states: Sequence[torch.Tensor], logits: torch.Tens
     if bad is None and bool(torch.isfinite(logits).all()):
         return
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    where = (
-        "the logits"
-        if bad is None
-        else f"HF hidden_states[{bad}]"
-        + (" (the last hidden state)" if bad == len(hidden_states) - 1 else "")
-    )
+    last = " (the last hidden state)" if bad == len(hidden_states) - 1 else ""
+    where = "the logits" if bad is None else f"HF hidden_states[{bad}]{last}"
     raise UserError(
         f"verifier probe forward (8 tokens, before any sample): {where} has NaN/Inf with verifier.dtype "
         f"{dtype}; {NONFINITE_FIX}"
     )
 
 
+@dataclass(slots=True)
 class _Part:
     """One forward's states in host memory (or on their way): ``host`` ``[4, T, H]`` (bf16, or fp8
     values when ``scales`` ``[4, T, nb]`` float32 is set), samples back to back (``lengths``),
     ``finite`` a 1-element bool tensor (every state value finite; None when no storage was asked
     for), ``event`` = the CUDA event after the copies (None: already there)."""
 
-    __slots__ = ("host", "lengths", "event", "scales", "finite")
-
-    def __init__(self, lengths: list[int], event, host: torch.Tensor, scales=None, finite=None):
-        self.host, self.lengths, self.event, self.scales, self.finite = (
-            host,
-            lengths,
-            event,
-            scales,
-            finite,
-        )
+    lengths: list[int]
+    event: Optional[torch.cuda.Event]
+    host: torch.Tensor
+    scales: Optional[torch.Tensor] = None
+    finite: Optional[torch.Tensor] = None
 
 
+@dataclass
 class PendingCapture:
-    """The result of :meth:`HFCapture.capture_async`: per-sample states once the copies have landed."""
+    """The result of :meth:`HFCapture.capture_async`: per-sample states once the copies have landed
+    (``_n`` samples; ``_parts``: per forward, the sample positions and their :class:`_Part`)."""
 
-    def __init__(self, n: int, parts: list[tuple[list[int], _Part]]):
-        self._n = n
-        self._parts = parts
+    _n: int
+    _parts: list[tuple[list[int], _Part]]
 
     def ready(self) -> bool:
         """True when every device -> host copy has finished (never blocks)."""

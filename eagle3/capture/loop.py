@@ -63,7 +63,7 @@ def start_capture(
 
 
 def capture_and_write(
-    backend: CaptureBackend,
+    backend: Optional[CaptureBackend],
     samples: list[Sample],
     batches: list[list[int]],
     done: dict[int, dict],
@@ -81,6 +81,8 @@ def capture_and_write(
     """Capture each batch of ``samples`` positions and write the shards of samples not in ``done``
     (updated as rows land) to ``manifest_path``; returns the new rows in order.
 
+    ``backend`` None: only write the pending token-only samples (``{input_ids, loss_mask}``), by processes from
+    :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples on (``storage`` must then be None).
     ``write_threads``: 0 serial, else pipelined with that many writer threads (same bytes).
     ``storage``: bf16 (None) or fp8. ``checksum``: the hash recorded per row.
 
@@ -89,6 +91,8 @@ def capture_and_write(
     """
     sleep_s = float(os.environ.get(SLEEP_ENV, "0") or 0)
     rows: list[dict] = []
+    n_todo = sum(samples[i].idx not in done for group in batches for i in group)
+    procs = backend is None and write_threads > 1 and n_todo >= shard_format.TOKEN_PROCESS_MIN
     with (
         ManifestWriter(manifest_path) as man,
         ShardWriter(
@@ -100,8 +104,14 @@ def capture_and_write(
             on_commit=_committer(done, rows, on_commit),
             storage=storage,
             checksum=checksum,
+            processes=procs,
         ) as writer,
     ):
+        if backend is None:
+            for s in (samples[i] for group in batches for i in group):
+                if s.idx not in done:
+                    writer.submit(s.idx, s.id, s.input_ids, None, s.loss_mask)
+            return rows
         # The whole planned batch is captured (even finished members) so padded shapes match an
         # uninterrupted run exactly; only unfinished samples are written.
         _feed(
@@ -135,52 +145,6 @@ def _write_captured(
             continue
         check_captured(s.input_ids, st, hidden_size, f"sample {s.idx} ('{s.id}')")
         writer.submit(s.idx, s.id, s.input_ids, st, s.loss_mask)
-
-
-def write_token_samples(
-    samples: list[Sample],
-    batches: list[list[int]],
-    done: dict[int, dict],
-    root,
-    rows_per_dir: int,
-    manifest_path,
-    *,
-    write_threads: int,
-    max_pending_tokens: int,
-    on_commit: Optional[Callable[[dict], None]] = None,
-    checksum: str = DEFAULT_ALGO,
-) -> list[dict]:
-    """Write the pending token-only samples (``{input_ids, loss_mask}``) of ``batches`` through the
-    same :class:`ShardWriter` as :func:`capture_and_write` (processes from
-    :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples); returns the new rows.
-
-    Raises:
-        UserError / OSError: a shard or manifest write failed.
-    """
-    rows: list[dict] = []
-    committed = _committer(done, rows, on_commit)
-
-    n_todo = sum(samples[i].idx not in done for group in batches for i in group)
-    procs = write_threads > 1 and n_todo >= shard_format.TOKEN_PROCESS_MIN
-    with (
-        ManifestWriter(manifest_path) as man,
-        ShardWriter(
-            root,
-            rows_per_dir,
-            man,
-            threads=write_threads,
-            max_pending_tokens=max_pending_tokens,
-            on_commit=committed,
-            checksum=checksum,
-            processes=procs,
-        ) as writer,
-    ):
-        for group in batches:
-            for i in group:
-                s = samples[i]
-                if s.idx not in done:
-                    writer.submit(s.idx, s.id, s.input_ids, None, s.loss_mask)
-    return rows
 
 
 def _committer(
@@ -236,12 +200,12 @@ def write_pending(
             write_threads=write_threads,
             max_pending_tokens=2 * batch_tokens,
             on_commit=lambda row: pbar.update(row["num_tokens"]),
+            storage=storage,
         )
         if backend is None:
-            return write_token_samples(samples, mine, done, root, rows_per_dir, manifest_path, **kw)
+            kw["storage"] = None
         # several SGLang servers: the batch plan is announced so batches are captured ahead, in parallel
         with prefetching(backend, [[samples[i].input_ids for i in g] for g in mine]):
             return capture_and_write(
-                backend, samples, mine, done, hidden_size, root, rows_per_dir, manifest_path,
-                storage=storage, **kw,
+                backend, samples, mine, done, hidden_size, root, rows_per_dir, manifest_path, **kw,
             )  # fmt: skip

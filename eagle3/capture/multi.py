@@ -247,14 +247,7 @@ def sglang_backend(
             f"server needs its own capture folder), got {dirs}"
         )
     servers = [
-        SGLangCapture(
-            url=u,
-            capture_dir=d,
-            aux_layers=aux_layers,
-            timeout=timeout,
-            max_length=max_length,
-            max_requests=max_requests,
-        )
+        SGLangCapture(u, d, aux_layers, timeout, max_length, max_requests)
         for u, d in zip(urls, dirs)
     ]
     if len(servers) == 1:

@@ -255,22 +255,15 @@ def _no_sample_why(
         for k, v in sorted(counts.items())
         if k.startswith("skipped_") and v
     )
-    hints = [
-        h
-        for k, h in (
-            ("skipped_too_long", "raise extract.max_length or set extract.too_long: truncate"),
-            (
-                "skipped_no_loss_tokens",
-                "a conversation needs an assistant answer (01 with "
-                "prompts.regenerate: true writes them)",
-            ),
-        )
-        if counts[k]
-    ]
+    hints = {
+        "skipped_too_long": "raise extract.max_length or set extract.too_long: truncate",
+        "skipped_no_loss_tokens": "a conversation needs an assistant answer (01 with prompts.regenerate: "
+        "true writes them)",
+    }
     return (
         f"{prompts_path}: no sample to capture: every conversation was skipped ({why}; the first at "
         f"line {prompts[0]['line']}, conversation '{prompts[0]['id']}'); "
-        + "".join(h + "; " for h in hints)
+        + "".join(h + "; " for k, h in hints.items() if counts[k])
         + "nothing written"
     )
 

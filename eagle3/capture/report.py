@@ -33,24 +33,16 @@ def rate_text(value) -> str:
     return "n/a" if value is None else str(value)
 
 
+#: the summary keys ``extract_report.md``'s table shows, in order
+REPORT_KEYS = (
+    "prompts samples split_conversations split_samples written resumed num_tokens num_loss_tokens truncated "
+    "capture_s total_s captured_tokens_per_s disk_gb"
+).split()
+
+
 def markdown(s: dict) -> str:
     lines = ["# Stage 02: hidden-state extraction", "", "| metric | value |", "|---|---:|"]
-    for k in (
-        "prompts",
-        "samples",
-        "split_conversations",
-        "split_samples",
-        "written",
-        "resumed",
-        "num_tokens",
-        "num_loss_tokens",
-        "truncated",
-        "capture_s",
-        "total_s",
-        "captured_tokens_per_s",
-        "disk_gb",
-    ):
-        lines.append(f"| {k} | {rate_text(s[k])} |")
+    lines += [f"| {k} | {rate_text(s[k])} |" for k in REPORT_KEYS]
     for k, v in s["skipped"].items():
         lines.append(f"| {k} | {v} |")
     for reason, ids in s.get("skipped_ids", {}).items():

@@ -118,11 +118,10 @@ def changed_settings(old: dict, new: dict) -> list[str]:
     if not old:
         return []
     a, b = flat(old), flat(new)
-    if "storage" in new and "storage" not in old:
-        a.setdefault("extract.storage_dtype", "bfloat16")
-    if "storage" in old and "storage" not in new:
-        b.setdefault("extract.storage_dtype", "bfloat16")
-    for side in (a, b):  # token-only samples: named by the key the user set
+    for side, comp, other in ((a, old, new), (b, new, old)):
+        if "storage" in other and "storage" not in comp:
+            side.setdefault("extract.storage_dtype", "bfloat16")
+        # token-only samples: named by the key the user set
         side["train.hidden_states"] = (
             "online" if side.pop("samples", None) == "tokens" else "offline"
         )
@@ -225,20 +224,16 @@ def recorded_weights(root: Path, state: Any) -> tuple[Optional[str], Path]:
     not read; ``file``: where it was read, ``extract_state.json`` when nowhere)."""
     was = state.get("verifier_weights") if isinstance(state, dict) else None
     if was is None and (root / DATA_CONFIG).is_file():
-        try:
-            meta = read_json(root / DATA_CONFIG)
-        except UserError:
-            meta = None
-        was = meta.get("verifier_weights") if isinstance(meta, dict) else None
+        was = (read_state(root, DATA_CONFIG) or {}).get("verifier_weights")
         if was is not None:
             return was, root / DATA_CONFIG
     return was, root / STATE
 
 
-def read_state(root: Path) -> Optional[dict]:
-    """``extract_state.json`` of ``root``, or None when it does not read as a JSON object."""
+def read_state(root: Path, name: str = STATE) -> Optional[dict]:
+    """``extract_state.json`` (or the file ``name``) of ``root``, or None when it does not read as a JSON object."""
     try:
-        state = read_json(root / STATE)
+        state = read_json(root / name)
     except UserError:
         return None
     return state if isinstance(state, dict) else None
@@ -249,8 +244,7 @@ def weights_unchecked(root: Path, state: Any, weights: dict) -> Optional[str]:
     run's (:func:`weights_changed`) because only one side has a fingerprint: the folder's record (``state``:
     ``extract_state.json``, else ``data_config.json``) has none (shards of a 02 from before 2026-12-05f) or the
     folder at ``verifier.path`` holds no weight file here (``weights`` ``{}``); None when both or neither have one
-    (neither: :func:`eagle3.shards.checks.check_verifier` says so at 03/04). 02 resumed into such a folder, or found
-    it up to date, without a word."""
+    (neither: :func:`eagle3.shards.checks.check_verifier` says so at 03/04)."""
     now = weights.get("verifier_weights")
     was, where = recorded_weights(root, state)
     if bool(was) == bool(now):
@@ -366,12 +360,10 @@ def resume_state(
             log.warning("%s: does not match its prompt; rewriting it", on_disk[idx])
             on_disk[idx].unlink()
     for idx, row in done.items():  # a shard outside this run's samples is kept as it is
-        foreign = (
-            foreign_row(row, by_idx[idx], on_disk[idx], root, rows_per_dir, writer_path)
-            if idx in by_idx
-            else None
-        )
-        if foreign is not None:
+        s = by_idx.get(idx)
+        if s is not None and (
+            foreign := foreign_row(row, s, on_disk[idx], root, rows_per_dir, writer_path)
+        ):
             raise UserError(foreign)
     if changed:
         rewrite_manifest(writer_path, done)

@@ -12,6 +12,7 @@ beyond ``max_pending_tokens`` uncommitted tokens.
 from __future__ import annotations
 
 import collections
+import math
 import sys
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -57,25 +58,6 @@ def _write_group(
     ]
 
 
-class _GroupItem:
-    """One sample's view of a group write's future (the ``Future`` methods :class:`ShardWriter` uses)."""
-
-    def __init__(self, fut: Future, k: int):
-        self.fut, self.k = fut, k
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def cancelled(self) -> bool:
-        return self.fut.cancelled()
-
-    def exception(self):
-        return self.fut.exception()
-
-    def result(self) -> str:
-        return self.fut.result()[self.k]
-
-
 class ShardWriter:
     """Write shards (one per sample) and log them in ``manifest.jsonl`` in submission order.
 
@@ -116,24 +98,21 @@ class ShardWriter:
             raise ValueError(
                 "ShardWriter: processes=True writes token-only samples only (no storage)"
             )
-        self._group: list[
-            tuple[dict, tuple[int, list[int], list[int]]]
-        ] = []  # processes: samples not yet sent
+        # processes: samples not yet sent
+        self._group: list[tuple[dict, tuple[int, list[int], list[int]]]] = []
+        self._pool = None
+        self._old_switch: Optional[float] = None
         if self.processes:
             from eagle3.capture.tokenize_pool import process_context
 
             self._pool = ProcessPoolExecutor(self.threads, mp_context=process_context())
-        else:
-            self._pool = (
-                ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer")
-                if self.threads > 0
-                else None
-            )
-        self._old_switch: Optional[float] = None
-        if self._pool is not None and not self.processes and SWITCH_INTERVAL_S is not None:
-            self._old_switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._old_switch, SWITCH_INTERVAL_S))
-        self._pending: collections.deque[tuple[dict, Future]] = collections.deque()
+        elif self.threads > 0:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer")
+            if SWITCH_INTERVAL_S is not None:
+                self._old_switch = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._old_switch, SWITCH_INTERVAL_S))
+        # (row meta, write future, index of the sample's digest in a group write's result or None)
+        self._pending: collections.deque[tuple[dict, Future, Optional[int]]] = collections.deque()
         self._pending_tokens = 0
 
     def submit(
@@ -176,16 +155,15 @@ class ShardWriter:
         L = len(input_ids)
         self._make_room(L)
         fut = self._pool.submit(_write_one, *args)
-        self._pending.append((meta, fut))
+        self._pending.append((meta, fut, None))
         self._pending_tokens += L
 
-    def _make_room(self, L: int) -> None:
-        """Commit what is done, then wait while ``L`` more tokens would pass ``max_pending_tokens``."""
+    def _make_room(self, L: float) -> None:
+        """Commit what is done, then wait while ``L`` more tokens would pass ``max_pending_tokens`` (``inf``: until
+        every write is committed)."""
         self.commit_ready()
         while self._pending and self._pending_tokens + L > self.max_pending_tokens:
-            self._pending[0][
-                1
-            ].exception()  # wait for the oldest write; commit_ready raises its error
+            self._pending[0][1].exception()  # wait for the oldest; commit_ready raises its error
             self.commit_ready()
 
     def _send_group(self) -> None:
@@ -199,7 +177,7 @@ class ShardWriter:
             _write_group, self.root, self.rows_per_dir, [item for _, item in group], self.checksum
         )
         for k, (meta, _) in enumerate(group):
-            self._pending.append((meta, _GroupItem(fut, k)))
+            self._pending.append((meta, fut, k))
         self._pending_tokens += L
 
     def commit_ready(self) -> int:
@@ -211,7 +189,7 @@ class ShardWriter:
         done: list[tuple[dict, str]] = []
         err: Optional[BaseException] = None
         while self._pending and self._pending[0][1].done():
-            meta, fut = self._pending[0]
+            meta, fut, k = self._pending[0]
             if fut.cancelled():
                 break
             err = fut.exception()
@@ -221,7 +199,7 @@ class ShardWriter:
                 break
             self._pending.popleft()
             self._pending_tokens -= meta["num_tokens"]
-            done.append((meta, fut.result()))
+            done.append((meta, fut.result() if k is None else fut.result()[k]))
         if done:
             self._append(done)
         if err is not None:
@@ -237,11 +215,7 @@ class ShardWriter:
     def flush(self) -> None:
         """Wait for every queued write and append all rows (raises the first write error)."""
         self._send_group()
-        while self._pending:
-            self._pending[0][
-                1
-            ].exception()  # wait without raising here; commit_ready raises in order
-            self.commit_ready()
+        self._make_room(math.inf)
 
     def close(self, wait_commit: bool = True) -> None:
         """Flush (when ``wait_commit``) and stop the threads; with ``wait_commit=False`` queued writes

@@ -56,8 +56,7 @@ def _init_worker(fn: Callable, tokenizer: Any) -> None:
     # A forked child must not use the Rust tokenizer's thread pool inherited from the parent; the
     # per-conversation calls are single encodes anyway.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER_STATE["fn"] = fn
-    _WORKER_STATE["tokenizer"] = tokenizer
+    _WORKER_STATE.update(fn=fn, tokenizer=tokenizer)
 
 
 def _run_chunk(records: Sequence[Any]) -> list:

@@ -12,6 +12,7 @@ and deals the rest to the current ranks.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -70,11 +71,8 @@ class TokenBudgetBatchSampler:
     ):
         self.lengths = [int(n) for n in lengths]
         self.batch_tokens = int(batch_tokens)
-        self.num_replicas, self.rank, self.grad_accum = (
-            int(num_replicas),
-            int(rank),
-            int(grad_accum),
-        )
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        self.grad_accum = int(grad_accum)
         self.seed, self.window, self.shuffle = int(seed), int(window), shuffle
         self.epoch = 0
         self.start_batch = 0
@@ -112,13 +110,9 @@ class TokenBudgetBatchSampler:
 
     def batches_for_samples(self, epoch: int, samples: int) -> int:
         """Leading batches of ``epoch``'s plan that hold ``samples`` samples; UserError when no prefix holds exactly that."""
-        total = 0
-        for n, b in enumerate(self.epoch_plan(epoch)):
-            if total == samples:
-                return n
-            total += len(b)
-        if total == samples:
-            return len(self.epoch_plan(epoch))
+        prefixes = list(itertools.accumulate(map(len, self.epoch_plan(epoch)), initial=0))
+        if samples in prefixes:
+            return prefixes.index(samples)
         raise UserError(
             f"checkpoint: key 'samples_in_epoch' {samples} is not a batch boundary of epoch {epoch}'s "
             f"token-budget plan (train.batch_tokens {self.batch_tokens}): the shards or split changed"
@@ -126,9 +120,8 @@ class TokenBudgetBatchSampler:
 
     def steps_after(self, epoch: int, start_batch: int) -> int:
         """Optimizer steps of ``epoch`` after its first ``start_batch`` global batches."""
-        return max(0, len(self.epoch_plan(epoch)) - start_batch) // (
-            self.num_replicas * self.grad_accum
-        )
+        per_step = self.num_replicas * self.grad_accum
+        return max(0, len(self.epoch_plan(epoch)) - start_batch) // per_step
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of ``epoch`` (the same on every rank)."""

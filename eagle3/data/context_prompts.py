@@ -105,9 +105,8 @@ def build_context_prompts(
         raise UserError(
             f"benchmark.context_prompts: {per_length} needs more than {len(pairs)} source rows; lower it"
         )
-    pool = pairs[
-        : len(pairs) - per_length
-    ]  # history rows; the last per_length rows are the final questions
+    # history rows; the last per_length rows are the final questions
+    pool = pairs[: len(pairs) - per_length]
     stride = max(1, len(pool) // per_length)
     out = []
     for L in lengths:
@@ -117,10 +116,8 @@ def build_context_prompts(
             def fits(n: int) -> bool:
                 return count_tokens(_messages(pool, start, n, final)) <= L
 
-            lo, hi = (
-                0,
-                1,
-            )  # the most history pairs that fit: doubling, then bisection (fits(lo) or lo == 0)
+            # the most history pairs that fit: doubling, then bisection (fits(lo) or lo == 0)
+            lo, hi = 0, 1
             while hi <= len(pool) and fits(hi):
                 lo, hi = hi, hi * 2
             hi = min(hi, len(pool) + 1)

@@ -149,8 +149,7 @@ class ResumableSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
     ):
-        kw = dict(num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        super().__init__(dataset, drop_last=True, **kw)
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last=True)
         self.start = 0
 
     def set_start(self, global_start: int) -> None:

@@ -123,12 +123,8 @@ class EvalRow(BaseModel):
             return _user(
                 self.turns[0] if self.turns else self.prompt or self.question or self.instruction
             )
-        out = []
-        for m in self.messages:
-            out.append({"role": m.role, "content": m.content})
-            if m.role == "user":
-                return out
-        return out
+        first_user = next(k for k, m in enumerate(self.messages) if m.role == "user")  # validated
+        return [{"role": m.role, "content": m.content} for m in self.messages[: first_user + 1]]
 
 
 def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
@@ -197,14 +193,6 @@ def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
     )
     for p, new in zip(prompts, ids):
         p.id = new
-
-
-def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
-    out = [
-        EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
-        for _, p in iter_humaneval()
-    ]
-    return out[:num_prompts] if num_prompts is not None else out
 
 
 def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "first") -> list[T]:
@@ -301,7 +289,10 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[Eval
         UserError: shared data folder or file missing, a malformed row.
     """
     if name == "humaneval":
-        everything = _humaneval(None)
+        everything = [
+            EvalPrompt(id=p["task_id"], messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
+            for _, p in iter_humaneval()
+        ]
     elif name == "mtbench":
         everything = load_prompt_file(shared_file("eval/mt_bench_question.jsonl"))
     elif name == "gsm8k":

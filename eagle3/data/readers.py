@@ -58,12 +58,8 @@ FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "
 """``prompts.format`` values: :class:`eagle3.settings.prompts.PromptsConfig`'s Literal, 01's ``--format`` choices."""
 
 _SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "assistant", "chatgpt", "bing"), "assistant"),
     "system": "system",
 }
 _ID_KEYS = ("id", "question_id", "uid", "task_id")
@@ -318,7 +314,13 @@ def normalise(
     system = None
     if msgs and msgs[0]["role"] == "system":
         system = msgs.pop(0)["content"]
-    _drop_leading_answers(msgs, counts)
+    # assistant / tool turns before the first user turn (ShareGPT "split" chunks): dropped, counted once
+    lead = next(
+        (k for k, m in enumerate(msgs) if m["role"] not in ("assistant", "tool")), len(msgs)
+    )
+    if lead:
+        del msgs[:lead]
+        counts["dropped_leading_assistant"] += 1
     if not msgs:
         counts["skipped_no_user" if raw else "skipped_empty_conversation"] += 1
         return None
@@ -334,17 +336,6 @@ def normalise(
         system = system_prompt
     out = [{"role": "system", "content": system}] if system is not None else []
     return out + msgs
-
-
-def _drop_leading_answers(msgs: list[dict], counts: Counter) -> None:
-    """Drop (in place) assistant / tool turns before the first user turn (ShareGPT "split" chunks), counted
-    ``dropped_leading_assistant`` once per conversation."""
-    dropped = 0
-    while msgs and msgs[0]["role"] in ("assistant", "tool"):
-        msgs.pop(0)
-        dropped += 1
-    if dropped:
-        counts["dropped_leading_assistant"] += 1
 
 
 def _split_inline_reasoning(msgs: list[dict], think_tags: tuple[str, str], counts: Counter) -> None:

@@ -75,11 +75,8 @@ def iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
 
     p = Path(name)
     try:
-        if p.is_dir() and (
-            (p / "dataset_info.json").is_file()
-            or (p / "state.json").is_file()
-            or (p / "dataset_dict.json").is_file()
-        ):
+        saved = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
+        if p.is_dir() and any((p / f).is_file() for f in saved):
             ds = datasets.load_from_disk(str(p))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[split]

@@ -60,25 +60,23 @@ def exclude_by_id(
     path = shards / MANIFEST
     rows = read_manifest(path).rows  # a missing file: no rows
     lost = next((i for i in train if i not in rows), None)
+    if lost is not None:
+        what = f"has no row for sample {lost}" if rows else "is missing or empty (02 writes it)"
+        raise UserError(
+            f"data.exclude_id_prefixes: {path} {what}, and the setting needs every sample's id; re-run "
+            "02_extract_hidden.py to complete it"
+        )
     kept, dropped = [], {p: 0 for p in prefixes}
-    for i in train if lost is None else ():
+    for i in train:
         hit = next((p for p in prefixes if rows[i]["id"].startswith(p)), None)
         if hit is None:
             kept.append(i)
         else:
             dropped[hit] += 1
-    if lost is not None:
-        what = f"has no row for sample {lost}" if rows else "is missing or empty (02 writes it)"
-        why = (
-            f"{path} {what}, and the setting needs every sample's id; re-run 02_extract_hidden.py to "
-            "complete it"
+    if not kept:
+        raise UserError(
+            f"data.exclude_id_prefixes: {prefixes} drops all {len(train)} training samples of {shards}"
         )
-    else:
-        why = (
-            f"{prefixes} drops all {len(train)} training samples of {shards}" if not kept else None
-        )
-    if why is not None:
-        raise UserError(f"data.exclude_id_prefixes: {why}")
     unmatched = [p for p, n in dropped.items() if n == 0]  # a typo would otherwise be silent
     stems = (
         sorted({rows[i]["id"].split("/")[0] + "/" for i in train if "/" in rows[i]["id"]})

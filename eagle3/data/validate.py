@@ -44,11 +44,6 @@ def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, 
     return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
 
 
-def validate_workers() -> int:
-    """Threads that hash and load shards in 03: min(8, usable cores) (hashing and reads release the GIL)."""
-    return min(8, available_cpus())
-
-
 PROCESS_WINDOW = 16384  # shards per map_records call (bounds the results held at once)
 
 
@@ -96,7 +91,8 @@ def _validated_samples(
     ):
         samples = _token_samples_mp(paths, expect, checksums, workers or available_cpus())
     else:
-        samples = _samples_threaded(paths, expect, checksums, workers or validate_workers())
+        # threads: min(8, usable cores) (hashing and reads release the GIL)
+        samples = _samples_threaded(paths, expect, checksums, workers or min(8, available_cpus()))
     for s in samples:
         stats["num_samples"] += 1
         stats["num_tokens"] += int(s["input_ids"].numel())

@@ -1,40 +1,27 @@
 """Stage 03's validation record: what a full shard validation established, reused while the shards are unchanged.
 
-A full validation in 03 hashes every shard against ``manifest.jsonl`` (sha256 recorded by 02) and loads
-it through :func:`eagle3.shards.read.load_sample` (keys, dtypes, shapes, NaN/Inf). On a 32 GB shard set that
-takes about a minute; ablations that re-run 03 on the same shards with another draft vocab size or
-training subset repeat it for nothing. After a successful full pass, 03 writes a record (JSON,
-``VALIDATION_RECORD``) holding
+A full validation in 03 hashes every shard against ``manifest.jsonl`` (sha256 recorded by 02) and loads it through
+:func:`eagle3.shards.read.load_sample` (keys, dtypes, shapes, NaN/Inf). The record (JSON, ``VALIDATION_RECORD``) holds
 
 - ``fingerprint``: sha256 over the resolved shards folder path, the sha256 of ``manifest.jsonl`` and of
-  ``data_config.json``, and the list of ``(relative path, size, mtime_ns)`` of every shard file;
-- ``stats``: ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``;
-- ``token_freq``: the int64 ``[target_V]`` loss-token counts as a list;
+  ``data_config.json``, and ``(relative path, size, mtime_ns)`` of every shard file;
+- ``status``: ``"passed"`` (``stats``: ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``;
+  ``token_freq``: the int64 ``[target_V]`` loss-token counts as a list); ``"failed"`` (``error``: 03's one-line
+  error) replacing a passing record of the same fingerprint; ``"unfinished"``: written by ``03 --revalidate`` before
+  its full pass, so a pass stopped half-way leaves no passing record. A record without ``status`` (written before
+  it existed) is a passing one;
 - ``version`` (:data:`RECORD_VERSION`) and ``created_at`` (unix seconds, UTC).
 
-- ``status``: ``"passed"``; a full pass that FAILS writes ``{"status": "failed", "error": <03's one-line error>}``
-  (no stats) under the same fingerprint instead, replacing the passing record of an earlier 03 (a failing
-  shard whose size and mtime did not change keeps the fingerprint). Records written before ``status``
-  existed have none and count as passed: 03 wrote a record only after a full pass succeeded.
+A later 03 whose fingerprint matches a passing record reuses stats and counts instead of hashing and loading; a failed
+or unfinished record is never reused. Stage 04 trains only on a shard set with a passing record of its current
+fingerprint (:func:`require_passed`). The fingerprint changes with a shard file's size or mtime, an added or removed
+shard, a changed manifest / data_config; it cannot see bytes changed in place with size and mtime kept
+(``--revalidate`` forces the full pass).
 
-- ``status``: ``"unfinished"``: ``03 --revalidate`` writes it before its full pass (replacing the passing record of
-  the same fingerprint), so that a pass stopped half-way (Ctrl-C, SIGTERM, a crash) leaves no passing record behind:
-  the next 03 validates every shard again and 04 refuses the set meanwhile.
-
-A later 03 whose fingerprint matches a passing record exactly reuses stats and counts instead of hashing and
-loading; a failed record is never reused (the full pass runs again). Stage 04 trains only on a shard set
-with a passing record of its current fingerprint (:func:`require_passed`).
-Any change to a shard file's size or mtime (an edit, ``touch``, a copy without preserved times), an
-added or removed shard, or a changed manifest / data_config changes the fingerprint. What the
-fingerprint cannot see: bytes that change in place while size and mtime stay the same (bit rot, a
-tool that restores mtimes); ``--revalidate`` forces the full pass for those.
-
-Where it lives: in the shards folder when that is writable (the ablations that share one shard set
-share the record), else in the run's data folder (re-runs of that run reuse it). Readers look in
-both, shards folder first; a written record (passed or failed) replaces a record of the same fingerprint in
-the other folder, so the two never disagree. A record that cannot be read or parsed, has another version, or does not
-hold consistent values is ignored (a warning for the unreadable/inconsistent kinds) and rewritten
-after the full pass; it is never an error.
+Where it lives: the shards folder when writable, else the run's data folder; readers look in both, shards folder first;
+a written record replaces one of the same fingerprint in the other folder. A record that cannot be read or parsed, has
+another version, or holds inconsistent values is ignored (a warning for the unreadable/inconsistent kinds) and
+rewritten after the full pass; never an error.
 """
 
 from __future__ import annotations
@@ -58,9 +45,7 @@ log = logging.getLogger(__name__)
 
 VALIDATION_RECORD = "validation_record.json"
 RECORD_FORMAT = "eagle3-03-validation"
-RECORD_VERSION = (
-    1  # ``status`` was added without a bump: a record without it is a passing one (see above)
-)
+RECORD_VERSION = 1  # ``status`` was added without a bump: a record without it is a passing one
 PASSED, FAILED, UNFINISHED = (
     "passed",
     "failed",
@@ -158,20 +143,15 @@ def load_matching_record(
         if rec is None:
             continue
         if rec.fingerprint != fingerprint:
-            log.info("%s: the shards changed since that validation; validating every shard", path)
-            continue
-        if rec.status == UNFINISHED:
-            log.info(
-                "%s: an earlier 03_prepare_data.py --revalidate did not finish; validating every shard",
-                path,
-            )
-            continue
-        if rec.status != PASSED:
-            log.info(
-                "%s: 03's last validation of these shards failed (%s); validating every shard",
-                path,
-                rec.error,
-            )
+            skip = "the shards changed since that validation"
+        elif rec.status == UNFINISHED:
+            skip = "an earlier 03_prepare_data.py --revalidate did not finish"
+        elif rec.status != PASSED:
+            skip = f"03's last validation of these shards failed ({rec.error})"
+        else:
+            skip = None
+        if skip:
+            log.info("%s: %s; validating every shard", path, skip)
             continue
         bad = _inconsistent(rec, vocab_size)
         if bad:
@@ -261,13 +241,9 @@ def _write_first(folders: list[Path], record: ValidationRecord) -> Optional[Path
                 path,
                 str(e).splitlines()[0] if str(e) else type(e).__name__,
             )
-    for folder in folders:
-        path = folder / VALIDATION_RECORD
-        if (
-            written is not None
-            and path != written
-            and record_fingerprint(path) == record.fingerprint
-        ):
+    others = [f / VALIDATION_RECORD for f in folders] if written is not None else []
+    for path in others:
+        if path != written and record_fingerprint(path) == record.fingerprint:
             try:
                 path.unlink()
             except OSError as e:
@@ -293,10 +269,8 @@ def _read_record(path: Path) -> tuple[Optional[ValidationRecord], Optional[str]]
         if err["type"] == "json_invalid":
             return None, f"unreadable validation record ({err['msg']})"
         where = ".".join(map(str, err["loc"])) or "(top level)"
-        return (
-            None,
-            f"not a version-{RECORD_VERSION} validation record (key {where!r}: {err['msg']})",
-        )
+        why = f"not a version-{RECORD_VERSION} validation record (key {where!r}: {err['msg']})"
+        return None, why
 
 
 def record_fingerprint(path: Path) -> Optional[str]:
@@ -399,11 +373,8 @@ def _changed_file(shards: Path, stale: Path) -> Optional[str]:
     newer = [p for _, p in list_samples(shards) if p.stat().st_mtime_ns > created * 1e9]
     if not newer:
         return None
-    more = (
-        f" (and {len(newer) - 1} more file{'s' if len(newer) > 2 else ''})"
-        if len(newer) > 1
-        else ""
-    )
+    n = len(newer) - 1
+    more = f" (and {n} more file{'s' if n > 1 else ''})" if n else ""
     return (
         f"{newer[0]}: changed after 03 validated this shard set ({format_time(created)}){more}; "
         f"run 03_prepare_data.py again before training (record: {stale})"

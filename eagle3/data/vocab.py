@@ -112,10 +112,16 @@ def save_vocab_map(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor
 
 def vocab_map_record(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> dict:
     """``vocab_map.pt``'s dict, after :func:`check_vocab_map` (``where`` names the file)."""
-    check_vocab_map(d2t.to(torch.int64), t2d.to(torch.bool), where)
+    d2t, t2d = d2t.to(torch.int64), t2d.to(torch.bool)
+    check_vocab_map(d2t, t2d, where)
+    return _map_dict(d2t.clone(), t2d.clone())
+
+
+def _map_dict(d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
+    """``{"d2t", "t2d", "target_vocab_size", "draft_vocab_size"}`` of the two tensors."""
     return {
-        "d2t": d2t.to(torch.int64).clone(),
-        "t2d": t2d.to(torch.bool).clone(),
+        "d2t": d2t,
+        "t2d": t2d,
         "target_vocab_size": int(t2d.numel()),
         "draft_vocab_size": int(d2t.numel()),
     }
@@ -266,14 +272,8 @@ def load_vocab_map(
     """
     path = Path(path)
     obj = validated(VocabMapFile, safe_torch_load(path), str(path), "re-run 03_prepare_data.py")
-    d2t, t2d = obj.d2t, obj.t2d
-    check_vocab_map(d2t, t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
-    return {
-        "d2t": d2t,
-        "t2d": t2d,
-        "target_vocab_size": int(t2d.numel()),
-        "draft_vocab_size": int(d2t.numel()),
-    }
+    check_vocab_map(obj.d2t, obj.t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
+    return _map_dict(obj.d2t, obj.t2d)
 
 
 def load_run_vocab_map(
