@@ -32,6 +32,7 @@ from eagle3.export.common import (
     WEIGHTS_FILE,
     layer_keys,
 )
+from eagle3.export.folder import recorded_meta
 from eagle3.export.formats import FORMATS, format_of, required_keys
 from eagle3.io import read_json
 from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
@@ -177,10 +178,8 @@ def reexport_hint(root: Path, engine: str) -> str:
 
 def _trained_from_dir(root: Path) -> Optional[str]:
     """``trained_from.train_dir`` of ``root``'s ``eagle3_train.json``; None when absent or unreadable."""
-    try:
-        return (read_json(root / META_FILE).get("trained_from") or {}).get("train_dir")
-    except (UserError, AttributeError, OSError):
-        return None
+    src = recorded_meta(root).get("trained_from")
+    return src.get("train_dir") if isinstance(src, dict) else None
 
 
 def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:

@@ -86,7 +86,7 @@ def export_drafter(
     llama = draft_layer_config(a, out_dtype)
     block = _config_block(engine, aux, ids, verifier_info, a.variant)
     config = export_config(a, engine, aux, verifier_info, out_dtype, num_speculative_tokens)
-    meta = _export_meta(engine, aux, ids, block, verifier_info, drafter, include_embeddings, llama)
+    meta = _export_meta(block, verifier_info, drafter, include_embeddings, llama)
     if ttt_length is not None:
         meta["ttt_length"] = int(ttt_length)
     if provenance is not None:
@@ -176,23 +176,14 @@ def _config_block(
 
 
 def _export_meta(
-    engine: str,
-    aux: list[int],
-    ids: list[int],
-    block: dict,
-    verifier_info: dict,
-    drafter: Eagle3Drafter,
-    include_embeddings: bool,
-    llama: dict,
+    block: dict, verifier_info: dict, drafter: Eagle3Drafter, include_embeddings: bool, llama: dict
 ) -> dict:
-    """``eagle3_train.json`` without ``ttt_length`` and ``trained_from`` (added by the caller when known)."""
+    """``eagle3_train.json`` without ``ttt_length`` and ``trained_from`` (added by the caller when known); its first
+    keys are those of the ``config.json`` ``block`` (:func:`_config_block`)."""
     weights = {"weights": verifier_info["weights"]} if verifier_info.get("weights") else {}
+    first = ("format_version", "engine", "aux_layers_hf", "engine_layer_ids", "layer_id_convention")
     return {
-        "format_version": 1,
-        "engine": engine,
-        "aux_layers_hf": aux,
-        "engine_layer_ids": ids,
-        "layer_id_convention": block["layer_id_convention"],
+        **{k: block[k] for k in first},
         # + the weights' fingerprint 02 recorded
         "verifier": {**{f: verifier_info[f] for f in VERIFIER_FIELDS}, **weights},
         "drafter_args": drafter.args.to_json(),
