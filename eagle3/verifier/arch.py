@@ -36,12 +36,8 @@ def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 def text_config(hf_config: Any) -> Any:
-    """The language model's config: the nested ``text_config`` of a multimodal wrapper, else ``hf_config``.
-
-    Kimi-K2.5 (``KimiK25ForConditionalGeneration``) nests its DeepseekV3-style text model config
-    under ``text_config`` (FIELD-NOTES section 6). A nested dict (config read without the remote
-    code) is returned as a dict. ``get_text_config()`` of transformers is not used because plain
-    ``PretrainedConfig`` objects built from raw JSON keep ``text_config`` as a dict.
+    """The language model's config: the nested ``text_config`` of a multimodal wrapper (Kimi-K2.5), else
+    ``hf_config``; a nested dict (a plain ``PretrainedConfig`` built from raw JSON keeps one) is returned as a dict.
 
     Args:
         hf_config: ``transformers.PretrainedConfig`` or a ``config.json`` dict.

@@ -146,29 +146,22 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = _device_or_fault(device)
-    if isinstance(dev, str):
-        raise UserError(f"verifier.device: {dev}")
-    return dev
-
-
-def _device_or_fault(device: Union[str, torch.device]) -> Union[torch.device, str]:
-    """``torch.device(device)``, or why ``verifier.device`` cannot be it: not a device name, or a CUDA device this
-    machine does not have (naming the ones it has and the fix)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        return f"invalid device '{device}'"
-    n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
-    if dev.type == "cuda" and (n == 0 or (dev.index or 0) >= n):
+        dev, fault = None, f"invalid device '{device}'"
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev is not None and (dev.type != "cuda" or (dev.index or 0) < n):
+        return dev
+    if dev is not None:  # a CUDA device this machine does not have: the ones it has and the fix
         has = (
             f"{n} CUDA device{'s' if n != 1 else ''} (cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them"
             if n
             else f"no CUDA (torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
             "auto (cuda when there is one, else cpu) or cpu"
         )
-        return f"'{device}', but this machine has {has}"
-    return dev
+        fault = f"'{device}', but this machine has {has}"
+    raise UserError(f"verifier.device: {fault}")
 
 
 def cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
