@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Optional
 
@@ -180,12 +181,8 @@ def decoder_norm(model) -> Optional[torch.nn.Module]:
     """The ``norm`` module of the decoder body (``get_decoder()``) or of ``model.model``, else None: the norm the
     post/pre-norm probe (:func:`last_hidden_state_kind`) applies."""
     decoder = None
-    get_decoder = getattr(model, "get_decoder", None)
-    if callable(get_decoder):
-        try:
-            decoder = get_decoder()
-        except (AttributeError, NotImplementedError):
-            decoder = None
+    with contextlib.suppress(AttributeError, NotImplementedError):  # no decoder body
+        decoder = model.get_decoder()
     for cand in (decoder, getattr(model, "model", None)):
         norm = getattr(cand, "norm", None) if cand is not None else None
         if isinstance(norm, torch.nn.Module):

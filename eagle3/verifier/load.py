@@ -96,10 +96,8 @@ def weights_fingerprint(vcfg: VerifierSpec) -> Optional[str]:
         return None
     if vcfg.gguf_file:
         files = [folder / vcfg.gguf_file]
-    elif folder.is_dir():
+    else:  # no folder: globs find nothing
         files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-    else:
-        files = []
     files = [f for f in files if f.is_file()]
     if not files:
         return None
@@ -394,11 +392,9 @@ def load_verifier(vcfg: VerifierSpec, device: Optional[Union[str, torch.device]]
         )
     model.to(dev)
     model.eval()
-    if (
-        getattr(model, "generation_config", None) is not None
-        and model.generation_config.pad_token_id is None
-    ):
-        model.generation_config.pad_token_id = tok.pad_token_id
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and gen.pad_token_id is None:
+        gen.pad_token_id = tok.pad_token_id
     return model, tok
 
 
