@@ -147,11 +147,9 @@ def check_export_contract(
     - verifier ``vocab_size`` = ``target_vocab_size``; ``lm_head.weight`` is ``[draft_V, H]`` and
       the vocab map is valid for ``draft_V`` / ``target_V`` (:func:`eagle3.data.vocab.check_vocab_map`);
     - every other tensor has the shape the drafter args imply;
-    - embeddings: SGLang 0.5.23 (``LlamaForCausalLM.set_embed``) replaces the draft embedding with
-      the verifier's only when ``target_hidden_size == hidden_size``, otherwise it keeps the draft
-      folder's ``embed_tokens.weight`` -- left at random init when the folder has none; vLLM shares
-      the verifier's only when the shapes agree. So a drafter whose hidden size differs from the
-      verifier's must be exported with ``include_embeddings=True``.
+    - a drafter whose hidden size differs from the verifier's is exported with ``include_embeddings=True``: both
+      engines use the verifier's embedding only when the sizes agree (SGLang 0.5.23 ``set_embed`` otherwise keeps
+      the folder's, random when it has none).
 
     Raises:
         UserError: naming the field or tensor, the shape found and the shape required; or ``drafter state: missing

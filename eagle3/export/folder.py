@@ -110,10 +110,6 @@ def check_replaceable(out: Path, engine: str, field: Optional[str] = None) -> No
     """Refuse to replace a folder that is not an export of this project for the same engine, and (with ``field``, the
     config field that puts ``out`` there: 04's start-up check) a path under a file.
 
-    An export replaces ``out`` whole; pointing ``export.output_dir`` at the other engine's folder
-    (whose layer ids follow another convention: SGLang's are HF index - 1 for Llama) or at a folder
-    of unrelated files would silently destroy it.
-
     Raises:
         UserError: ``<out>: <why>``: ``out`` is a file; a non-empty folder without ``eagle3_train.json``; an export
             for the other engine; or (``field``) a parent of ``out`` that is a file.

@@ -177,8 +177,8 @@ def cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
 
 def cpu_auto_dtype(flags: Iterable[str]) -> str:
     """``verifier.dtype: auto`` on a CPU with these feature ``flags`` (:func:`cpu_flags`): ``bfloat16`` where it has
-    bf16 instructions (any of :data:`BF16_CPU_FLAGS`), else ``float32`` (without them bf16 is emulated: 01/02's
-    prefill was 6.4x slower than float32 on an AVX2-only CPU, issue 51)."""
+    bf16 instructions (any of :data:`BF16_CPU_FLAGS`), else ``float32`` (bf16 would be emulated, several times
+    slower)."""
     return "bfloat16" if set(flags) & set(BF16_CPU_FLAGS) else "float32"
 
 
