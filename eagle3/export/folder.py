@@ -49,9 +49,8 @@ def write_export_folder(
         check_replaceable(out, engine)
         warn_other_run(out, provenance)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-        os.chmod(
-            tmp, file_mode(directory=True)
-        )  # mkdtemp's 0o700 -> readable by a server of another user
+        # mkdtemp's 0o700 -> readable by a server of another user
+        os.chmod(tmp, file_mode(directory=True))
         try:
             _write_files(tmp, out, tensors, config, meta)
             old = None
