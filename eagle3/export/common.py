@@ -18,7 +18,7 @@ code predates these keys would load such a folder as EAGLE-3.0: serve 3.1 folder
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional
+from typing import Mapping
 
 import torch
 
@@ -105,16 +105,11 @@ def variant_keys(variant: str) -> dict:
 
 
 def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> torch.dtype:
-    """The dtype an export is written in: ``export.dtype``; ``auto`` = the dtype the verifier is
-    SERVED in: ``verifier.dtype``, except that a float32 verifier gives bfloat16.
-
-    ``verifier.dtype: float32`` is this project's exactness setting (CPU checks, fatal lossless
-    checks in 05), not a serving dtype: SGLang 0.5.23's ``--dtype auto`` turns a float32 draft
-    config into float16 (``sglang/srt/configs/model_config.py`` ``_get_and_verify_dtype``: "we use
-    float16 for float32 models"), a dtype the drafter never ran in, and vLLM 0.33 casts the draft
-    to the verifier's serving dtype anyway (``SpeculativeConfig``: draft ``dtype`` =
-    ``target_model_config.dtype``); the float32 file is then only twice the size. An explicit
-    ``float32`` is written as asked (:func:`eagle3.export.writer.export_drafter` warns for SGLang).
+    """The dtype an export is written in: ``export.dtype``; ``auto`` = the dtype the verifier is SERVED in:
+    ``verifier.dtype`` (its ``auto``: bfloat16), except that a float32 verifier (this project's exactness setting,
+    not a serving dtype: SGLang 0.5.23 serves a float32 draft config as float16, vLLM 0.33 casts the draft to the
+    verifier's serving dtype) gives bfloat16. An explicit ``float32`` is written as asked
+    (:func:`eagle3.export.writer.export_drafter` warns for SGLang).
 
     Raises:
         UserError: an unknown dtype name.
@@ -140,7 +135,7 @@ def check_export_contract(
     drafter: Eagle3Drafter,
     verifier_info: dict,
     include_embeddings: bool,
-    exported: Optional[Mapping[str, str]] = None,
+    exported: Mapping[str, str],
 ) -> None:
     """Check the drafter/verifier shape contract a serving engine relies on (and does not check), and that the
     drafter state holds every tensor the engine's folder stores (``exported``: export name -> state name,
@@ -152,11 +147,9 @@ def check_export_contract(
     - verifier ``vocab_size`` = ``target_vocab_size``; ``lm_head.weight`` is ``[draft_V, H]`` and
       the vocab map is valid for ``draft_V`` / ``target_V`` (:func:`eagle3.data.vocab.check_vocab_map`);
     - every other tensor has the shape the drafter args imply;
-    - embeddings: SGLang 0.5.23 (``LlamaForCausalLM.set_embed``) replaces the draft embedding with
-      the verifier's only when ``target_hidden_size == hidden_size``, otherwise it keeps the draft
-      folder's ``embed_tokens.weight`` -- left at random init when the folder has none; vLLM shares
-      the verifier's only when the shapes agree. So a drafter whose hidden size differs from the
-      verifier's must be exported with ``include_embeddings=True``.
+    - a drafter whose hidden size differs from the verifier's is exported with ``include_embeddings=True``: both
+      engines use the verifier's embedding only when the sizes agree (SGLang 0.5.23 ``set_embed`` otherwise keeps
+      the folder's, random when it has none).
 
     Raises:
         UserError: naming the field or tensor, the shape found and the shape required; or ``drafter state: missing
@@ -170,7 +163,7 @@ def check_export_contract(
         or _tensor_shape_faults(sd, a, vh, vv)
         or [
             f"drafter state: missing required tensor '{src}' (export key '{key}')"
-            for key, src in (exported or {}).items()
+            for key, src in exported.items()
             if src not in sd
         ]
     )

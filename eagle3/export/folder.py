@@ -49,9 +49,8 @@ def write_export_folder(
         check_replaceable(out, engine)
         warn_other_run(out, provenance)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-        os.chmod(
-            tmp, file_mode(directory=True)
-        )  # mkdtemp's 0o700 -> readable by a server of another user
+        # mkdtemp's 0o700 -> readable by a server of another user
+        os.chmod(tmp, file_mode(directory=True))
         try:
             _write_files(tmp, out, tensors, config, meta)
             old = None
@@ -78,17 +77,22 @@ def _write_files(tmp: Path, out: Path, tensors: dict, config: dict, meta: dict) 
     atomic_write_json(tmp / META_FILE, meta)
 
 
+def recorded_meta(folder: Path) -> dict:
+    """The ``eagle3_train.json`` object of an export ``folder``; ``{}`` when absent, unreadable or not an object."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def warn_other_run(out: Path, provenance: Optional[dict]) -> None:
     """Log a warning when ``out`` holds an export recorded from another training folder than ``provenance``'s: a
     second run's default export folder is the first run's (``{output_root}/drafter-{engine}``), and replacing it is
     kept (re-exporting is on purpose), but not silently. Nothing is said when either side records no ``train_dir``."""
-    meta_path = out / META_FILE
-    if provenance is None or not provenance.get("train_dir") or not meta_path.is_file():
+    if provenance is None or not provenance.get("train_dir"):
         return
-    try:
-        old = json.loads(meta_path.read_text()).get("trained_from") or {}
-    except (OSError, ValueError, AttributeError):
-        return
+    old = recorded_meta(out).get("trained_from") or {}
     if old.get("train_dir") and old["train_dir"] != provenance["train_dir"]:
         log.warning(
             "%s: replacing the export of another training run (%s, step %s) with this one's (%s, step %s); "
@@ -104,10 +108,6 @@ def warn_other_run(out: Path, provenance: Optional[dict]) -> None:
 def check_replaceable(out: Path, engine: str, field: Optional[str] = None) -> None:
     """Refuse to replace a folder that is not an export of this project for the same engine, and (with ``field``, the
     config field that puts ``out`` there: 04's start-up check) a path under a file.
-
-    An export replaces ``out`` whole; pointing ``export.output_dir`` at the other engine's folder
-    (whose layer ids follow another convention: SGLang's are HF index - 1 for Llama) or at a folder
-    of unrelated files would silently destroy it.
 
     Raises:
         UserError: ``<out>: <why>``: ``out`` is a file; a non-empty folder without ``eagle3_train.json``; an export
@@ -132,12 +132,7 @@ def _replace_problem(out: Path, engine: str) -> Optional[str]:
     if not out.is_dir() or (not meta_path.is_file() and any(out.iterdir())):
         what = "holds files that are not an eagle3-train export" if out.is_dir() else "is a file"
         return f"export.output_dir {what}; choose an empty or new folder"
-    if not meta_path.is_file():
-        return None
-    try:
-        old_engine = json.loads(meta_path.read_text()).get("engine")
-    except (OSError, ValueError, AttributeError):
-        old_engine = None
+    old_engine = recorded_meta(out).get("engine")
     if old_engine is not None and old_engine != engine:
         return (
             f"holds the {old_engine} export; exporting for {engine} there would replace it "

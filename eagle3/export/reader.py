@@ -32,6 +32,7 @@ from eagle3.export.common import (
     WEIGHTS_FILE,
     layer_keys,
 )
+from eagle3.export.folder import recorded_meta
 from eagle3.export.formats import FORMATS, format_of, required_keys
 from eagle3.io import read_json
 from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
@@ -62,7 +63,7 @@ def check_export_folder(
 
     Returns:
         ``{"engine", "engine_layer_ids" (or None), "aux_layers_hf" (HF indices the engine
-        captures, or None when unknown), "warnings": [str]}``.
+        captures, or None when unknown), "warnings": [str], "drafter_args": DrafterArgs}``.
 
     Raises:
         UserError: ``config.json`` unreadable or of no known format; the recorded engine differs from the folder's
@@ -71,7 +72,7 @@ def check_export_folder(
     """
     root = Path(path)
     cfg_path, cfg = _read_config_json(root)
-    engine, _args = _args_from_config(cfg, cfg_path)
+    engine, args = _args_from_config(cfg, cfg_path)
     ids = _config_layer_ids(cfg, engine, cfg_path)
     block = _recorded_block(cfg, root)
     arch = (block or {}).get("verifier_architecture") or verifier_architecture
@@ -93,6 +94,7 @@ def check_export_folder(
         "engine_layer_ids": ids,
         "aux_layers_hf": aux_hf,
         "warnings": warnings,
+        "drafter_args": args,
     }
 
 
@@ -177,10 +179,8 @@ def reexport_hint(root: Path, engine: str) -> str:
 
 def _trained_from_dir(root: Path) -> Optional[str]:
     """``trained_from.train_dir`` of ``root``'s ``eagle3_train.json``; None when absent or unreadable."""
-    try:
-        return (read_json(root / META_FILE).get("trained_from") or {}).get("train_dir")
-    except (UserError, AttributeError, OSError):
-        return None
+    src = recorded_meta(root).get("trained_from")
+    return src.get("train_dir") if isinstance(src, dict) else None
 
 
 def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
@@ -198,9 +198,7 @@ def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
             src = root / META_FILE
     if block is None:
         return None
-    validated(
-        _RecordedBlock, block, f"{src} ({CONFIG_BLOCK})", "re-export with 04_train.py --export-only"
-    )
+    validated(_RecordedBlock, block, f"{src} ({CONFIG_BLOCK})", _REEXPORT)
     return dict(block, source=str(src))
 
 
@@ -227,16 +225,14 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
             safetensors file (naming it).
     """
     root = Path(path)
-    cfg_path, cfg = _read_config_json(root)
-    engine, args = _args_from_config(cfg, cfg_path)
-    warnings = check_export_folder(root)["warnings"]
+    found = check_export_folder(root)
     wpath = root / WEIGHTS_FILE
     try:
         with safe_open(str(wpath), framework="pt") as f:
             f.keys()
     except (SafetensorError, OSError, ValueError) as e:
         raise _unreadable(wpath, e) from e
-    return cfg_path, engine, args, wpath, warnings
+    return root / "config.json", found["engine"], found["drafter_args"], wpath, found["warnings"]
 
 
 def _unreadable(wpath: Path, e: Exception) -> UserError:

@@ -105,9 +105,7 @@ def is_format(cfg: dict) -> bool:
 def layer_source(cfg: dict, path: Path) -> dict:
     """The LlamaConfig fields of the drafter's decoder layer, with ``target_hidden_size`` (``hidden_size`` when
     absent), from a ``config.json`` of this format."""
-    src = dict(cfg)
-    src["target_hidden_size"] = cfg.get("target_hidden_size") or cfg.get("hidden_size")
-    return src
+    return {**cfg, "target_hidden_size": cfg.get("target_hidden_size") or cfg.get("hidden_size")}
 
 
 def layer_ids(cfg: dict) -> Optional[object]:

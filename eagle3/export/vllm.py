@@ -63,13 +63,9 @@ def mla_refusal(mla: dict) -> Optional[str]:
 
 
 def writes_vocab_map(draft_vocab_size: int, target_vocab_size: int) -> bool:
-    """Whether the folder carries ``d2t``/``t2d``: iff ``draft_V < target_V``. vLLM 0.33
-    (``vllm/model_executor/models/llama_eagle3.py``, ``Eagle3LlamaForCausalLM``): ``__init__`` creates the
-    ``draft_id_to_target_id`` parameter only when the config's ``draft_vocab_size`` differs from the verifier's vocab
-    (``model_config.get_vocab_size()``); ``load_weights`` renames ``d2t`` to it and skips ``t2d``. So a full-vocab
-    folder that carries ``d2t`` is refused (``There is no module or parameter named 'draft_id_to_target_id'``), and a
-    reduced-vocab folder without it keeps the zero-initialised parameter: every draft id is taken for the target id
-    of the same number (silently wrong drafts)."""
+    """Whether the folder carries ``d2t``/``t2d``: iff ``draft_V < target_V``. vLLM 0.33 ``Eagle3LlamaForCausalLM``
+    (``llama_eagle3.py``) has its ``draft_id_to_target_id`` (loaded from ``d2t``; ``t2d`` skipped) only then: it
+    refuses a full-vocab folder's ``d2t``, and without one a reduced-vocab folder drafts silently wrong ids."""
     return int(draft_vocab_size) != int(target_vocab_size)
 
 

@@ -30,6 +30,7 @@ from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import LABELS, known, others, spelled
 from eagle3.engines.layers import check_aux_layers, engine_layer_ids, layer_id_convention
 from eagle3.export.common import (
+    CONFIG_BLOCK,
     EMBED_KEY,
     VERIFIER_FIELDS,
     VOCAB_KEYS,
@@ -78,15 +79,13 @@ def export_drafter(
             for the verifier, a broken shape contract, a required tensor missing, or the folder's write refusals
             (:func:`eagle3.export.folder.write_export_folder`).
     """
-    out_dtype, aux, ids = _check_request(
+    out_dtype, aux = _check_request(
         drafter, engine, aux_layers_hf, verifier_info, include_embeddings, dtype
     )
     a = drafter.args
     tensors = _export_tensors(drafter, engine, include_embeddings, out_dtype)
-    llama = draft_layer_config(a, out_dtype)
-    block = _config_block(engine, aux, ids, verifier_info, a.variant)
     config = export_config(a, engine, aux, verifier_info, out_dtype, num_speculative_tokens)
-    meta = _export_meta(engine, aux, ids, block, verifier_info, drafter, include_embeddings, llama)
+    meta = _export_meta(config, verifier_info, drafter, include_embeddings)
     if ttt_length is not None:
         meta["ttt_length"] = int(ttt_length)
     if provenance is not None:
@@ -127,18 +126,17 @@ def _check_request(
     verifier_info: dict,
     include_embeddings: bool,
     dtype: str | torch.dtype,
-) -> tuple[torch.dtype, list[int], list[int]]:
-    """:func:`export_drafter`'s refusals before anything is written; returns ``(dtype, HF aux layers, engine ids)``."""
+) -> tuple[torch.dtype, list[int]]:
+    """:func:`export_drafter`'s refusals before anything is written; returns ``(dtype, HF aux layers)``."""
     known(engine, "export.engine")
     check_engine_serves(engine, drafter.args.variant, drafter.args.mla)
     out_dtype = export_dtype(dtype)
     FORMATS[engine].warn_dtype(out_dtype)
-    arch = str(verifier_info["architecture"])
     aux = check_aux_layers(aux_layers_hf, int(verifier_info["num_layers"]), field="aux_layers_hf")
     check_export_contract(
         drafter, verifier_info, include_embeddings, export_tensor_names(drafter.args, engine)
     )
-    return out_dtype, aux, engine_layer_ids(aux, engine, arch)
+    return out_dtype, aux
 
 
 def _export_tensors(
@@ -176,28 +174,20 @@ def _config_block(
 
 
 def _export_meta(
-    engine: str,
-    aux: list[int],
-    ids: list[int],
-    block: dict,
-    verifier_info: dict,
-    drafter: Eagle3Drafter,
-    include_embeddings: bool,
-    llama: dict,
+    config: dict, verifier_info: dict, drafter: Eagle3Drafter, include_embeddings: bool
 ) -> dict:
-    """``eagle3_train.json`` without ``ttt_length`` and ``trained_from`` (added by the caller when known)."""
+    """``eagle3_train.json`` without ``ttt_length`` and ``trained_from`` (added by the caller when known); its first
+    keys and dtype are those of ``config`` (``config.json``) and its block (:func:`_config_block`)."""
+    block = config[CONFIG_BLOCK]
     weights = {"weights": verifier_info["weights"]} if verifier_info.get("weights") else {}
+    first = ("format_version", "engine", "aux_layers_hf", "engine_layer_ids", "layer_id_convention")
     return {
-        "format_version": 1,
-        "engine": engine,
-        "aux_layers_hf": aux,
-        "engine_layer_ids": ids,
-        "layer_id_convention": block["layer_id_convention"],
+        **{k: block[k] for k in first},
         # + the weights' fingerprint 02 recorded
         "verifier": {**{f: verifier_info[f] for f in VERIFIER_FIELDS}, **weights},
         "drafter_args": drafter.args.to_json(),
         "include_embeddings": bool(include_embeddings),
         "variant": drafter.args.variant,
-        "dtype": llama["torch_dtype"],
+        "dtype": config["torch_dtype"],
         "weights": WEIGHTS_FILE,
     }

@@ -18,13 +18,10 @@ from eagle3.shards.format import DATA_CONFIG
 
 
 def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> Optional[str]:
-    """Refuse a config whose verifier is not the one the shards were captured with (03, 04, 04 --export-only).
-
-    Checked before any shape: a config pointing at another verifier otherwise fails later on a symptom (a hidden
-    size, an aux layer out of range) that names a setting the user never changed. Then, when 02 recorded it and
-    ``verifier.path`` holds weight files here, their content fingerprint (``verifier_weights``,
-    :func:`eagle3.verifier.load.weights_fingerprint`; the rule :func:`eagle3.verifier.load.weights_differ`): another
-    model of the same shapes under the old ``verifier.name`` would otherwise train against the other model's lm_head.
+    """Refuse a config whose verifier is not the one the shards were captured with (03, 04, 04 --export-only),
+    before any shape: by name, then, when 02 recorded it and ``verifier.path`` holds weight files here, by their
+    content fingerprint (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`; the rule
+    :func:`eagle3.verifier.load.weights_differ`).
 
     Args:
         verifier: the config's ``verifier`` section (its ``display_name()`` is what 02 records).
@@ -66,19 +63,14 @@ def _data_config_path(root: str | os.PathLike) -> Path:
     return Path(root) / DATA_CONFIG if Path(root).is_dir() else Path(root)
 
 
-VERIFIER_DIMS = (
-    "num_layers",
-    "hidden_size",
-    "vocab_size",
-)  # what data_config.json / eagle3_train.json record of it
+VERIFIER_DIMS = ("num_layers", "hidden_size", "vocab_size")
+"""What ``data_config.json`` / ``eagle3_train.json`` record of the verifier's shape."""
 
 
 def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
     """``num_layers 6 recorded, 30 at verifier.path; ...`` for each of :data:`VERIFIER_DIMS` that the verifier the
     config loads (``dims``: :func:`eagle3.verifier.load.verifier_dims`) has other than ``recorded`` (the shards'
-    ``data_config.json`` or an export's ``verifier`` block), or None. :func:`check_verifier` compares names only: a
-    config whose ``verifier.path`` was pointed at another model under the old ``verifier.name`` otherwise fails on a
-    drafter field the user never set."""
+    ``data_config.json`` or an export's ``verifier`` block), or None."""
     diffs = [
         f"{k} {recorded[k]} recorded, {dims[k]} at verifier.path"
         for k in VERIFIER_DIMS

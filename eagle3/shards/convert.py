@@ -198,17 +198,18 @@ class _Job:
     def one(self, item: tuple[int, Path]) -> dict:
         """Convert shard ``(idx, path)``; returns its manifest row."""
         idx, path = item
-        verify_file(path, row_checksum(self.src_rows.get(idx, {})), str(self.src_man_path))
+        src_row = self.src_rows.get(idx, {})
+        verify_file(path, row_checksum(src_row), str(self.src_man_path))
         s = load_sample(path, expect=self.expect)
-        h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
         ids, mask = s["input_ids"], s["loss_mask"]
+        h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
         hs = hidden_states_bf16(s)
         write_sample(self.dst, idx, self.rows_per_dir, ids, hs, mask, self.storage, hasher=h)
         return {
             "idx": idx,
-            "id": self.src_rows.get(idx, {}).get("id", str(idx)),
-            "num_tokens": int(s["input_ids"].numel()),
-            "num_loss_tokens": int(s["loss_mask"].sum()),
+            "id": src_row.get("id", str(idx)),
+            "num_tokens": int(ids.numel()),
+            "num_loss_tokens": int(mask.sum()),
             DEFAULT_ALGO: h.hexdigest(),
         }
 
@@ -237,8 +238,7 @@ def _run_pool(
                 finished, window = cf.wait(window, return_when=cf.FIRST_COMPLETED)
                 for f in finished:
                     row = f.result()  # re-raises a worker's UserError (disk full, corrupt source)
-                    extra = {k: v for k, v in row.items() if k not in ("idx", "id", "num_tokens")}
-                    done[row["idx"]] = man.append(row["idx"], row["id"], row["num_tokens"], **extra)
+                    done[row["idx"]] = man.append_many([row])[0]
                     bar.update(1)
                 window |= {pool.submit(job.one, x) for x in islice(it, len(finished))}
         except BaseException:
@@ -256,9 +256,9 @@ def _finish(job: _Job, samples: list) -> dict:
         "bytes_per_token": storage.bytes_per_token(int(meta["hidden_size"])),
     }
     if not storage.is_fp8:
-        for k in ("storage_dtype", "scale_scheme", "scale_block_size", "scale_dtype"):
+        fp8_keys = ("scale_scheme", "scale_block_size", "scale_dtype", "storage_format_version")
+        for k in ("storage_dtype", *fp8_keys):
             new.pop(k, None)
-        new.pop("storage_format_version", None)
     new["converted_from"] = {"path": str(job.src), "format": meta["format"], "dtype": meta["dtype"]}
     write_data_config(job.dst, new)
     src_bytes = sum(p.stat().st_size for _, p in samples)

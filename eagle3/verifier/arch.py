@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Optional
 
@@ -36,12 +37,8 @@ def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 def text_config(hf_config: Any) -> Any:
-    """The language model's config: the nested ``text_config`` of a multimodal wrapper, else ``hf_config``.
-
-    Kimi-K2.5 (``KimiK25ForConditionalGeneration``) nests its DeepseekV3-style text model config
-    under ``text_config`` (FIELD-NOTES section 6). A nested dict (config read without the remote
-    code) is returned as a dict. ``get_text_config()`` of transformers is not used because plain
-    ``PretrainedConfig`` objects built from raw JSON keep ``text_config`` as a dict.
+    """The language model's config: the nested ``text_config`` of a multimodal wrapper (Kimi-K2.5), else
+    ``hf_config``; a nested dict (a plain ``PretrainedConfig`` built from raw JSON keeps one) is returned as a dict.
 
     Args:
         hf_config: ``transformers.PretrainedConfig`` or a ``config.json`` dict.
@@ -184,12 +181,8 @@ def decoder_norm(model) -> Optional[torch.nn.Module]:
     """The ``norm`` module of the decoder body (``get_decoder()``) or of ``model.model``, else None: the norm the
     post/pre-norm probe (:func:`last_hidden_state_kind`) applies."""
     decoder = None
-    get_decoder = getattr(model, "get_decoder", None)
-    if callable(get_decoder):
-        try:
-            decoder = get_decoder()
-        except (AttributeError, NotImplementedError):
-            decoder = None
+    with contextlib.suppress(AttributeError, NotImplementedError):  # no decoder body
+        decoder = model.get_decoder()
     for cand in (decoder, getattr(model, "model", None)):
         norm = getattr(cand, "norm", None) if cand is not None else None
         if isinstance(norm, torch.nn.Module):

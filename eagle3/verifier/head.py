@@ -267,7 +267,6 @@ def load_target_head_from_safetensors(
         UserError: missing/malformed ``config.json`` or index, a missing or unreadable tensor or shard, an untied
             config without ``lm_head``, or tensor shapes that disagree with the config.
     """
-    post_norm = last_hidden_state == "post_norm"
     folder = Path(folder)
     cfg_path = folder / "config.json"
     root = read_json(cfg_path)
@@ -280,18 +279,16 @@ def load_target_head_from_safetensors(
     wm = _weight_map(folder)
     names = locate_head_tensors(folder, wm)
     tensors = _read_tensors(folder, wm, [n for n in names.values() if n is not None])
-    embed = tensors[names["embed"]]  # [V, Ht]
-    norm_w = tensors[names["norm"]]  # [Ht]
-    lm_head = tensors[names["lm_head"]] if names["lm_head"] is not None else embed  # [V, Ht]
-    roles = {"embed": embed, "lm_head": lm_head, "norm": norm_w}
+    # by role; no lm_head tensor: the embedding (tied)
+    roles = {r: tensors[names[r] or names["embed"]] for r in ("embed", "lm_head", "norm")}
     fault = _config_disagreement(names, roles, cfg_path, cfg, root)
     if fault is not None:
         raise UserError(f"{folder}: {fault}")
-    if dtype is not None:
-        tied = lm_head is embed
-        embed, norm_w = embed.to(dtype), norm_w.to(dtype)
-        lm_head = embed if tied else lm_head.to(dtype)
-    return TargetHead(embed, lm_head, norm_w, cfg.rms_norm_eps, post_norm)
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    embed = cast(roles["embed"])  # [V, Ht]
+    lm_head = embed if names["lm_head"] is None else cast(roles["lm_head"])  # [V, Ht]
+    post_norm = last_hidden_state == "post_norm"
+    return TargetHead(embed, lm_head, cast(roles["norm"]), cfg.rms_norm_eps, post_norm)
 
 
 def _config_disagreement(

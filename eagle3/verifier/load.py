@@ -16,6 +16,9 @@ from typing import Annotated, Any, Iterable, Optional, Protocol, Union
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, StrictInt
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM_CLASSES,
+)
 
 from eagle3.errors import UserError, validated
 from eagle3.io import read_json
@@ -53,28 +56,27 @@ class VerifierSpec(Protocol):
 # paths and devices
 # ---------------------------------------------------------------------------------------------
 def _check_files(vcfg: VerifierSpec) -> Path:
-    """Return the verifier folder; raise UserError when it (or its GGUF/config file) is missing
-    (:func:`_missing_file`'s line)."""
+    """The verifier folder.
+
+    Raises:
+        UserError: naming the field to fix: the folder itself is missing, ``verifier.gguf_file`` inside it, or (no
+            GGUF file set) its ``config.json``.
+    """
     path = vcfg.resolved_path()
-    missing = _missing_file(vcfg, path)
+    gguf = path / vcfg.gguf_file if vcfg.gguf_file else None
+    if not path.is_dir():
+        missing = f"verifier.path: folder '{path}' not found"
+    elif gguf is not None:
+        missing = None if gguf.is_file() else f"verifier.gguf_file: '{gguf}' not found"
+    elif not (path / "config.json").is_file():
+        missing = (
+            f"verifier.path: '{path}' has no config.json (set verifier.gguf_file for a GGUF model)"
+        )
+    else:
+        missing = None
     if missing is not None:
         raise UserError(missing)
     return path
-
-
-def _missing_file(vcfg: VerifierSpec, path: Path) -> Optional[str]:
-    """The refusal line, naming the field to fix, for what the verifier folder ``path`` lacks: the folder itself,
-    ``verifier.gguf_file`` inside it, or (no GGUF file set) its ``config.json``; None when nothing is missing."""
-    if not path.is_dir():
-        return f"verifier.path: folder '{path}' not found"
-    if vcfg.gguf_file:
-        gguf = path / vcfg.gguf_file
-        return None if gguf.is_file() else f"verifier.gguf_file: '{gguf}' not found"
-    if not (path / "config.json").is_file():
-        return (
-            f"verifier.path: '{path}' has no config.json (set verifier.gguf_file for a GGUF model)"
-        )
-    return None
 
 
 _FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
@@ -94,10 +96,8 @@ def weights_fingerprint(vcfg: VerifierSpec) -> Optional[str]:
         return None
     if vcfg.gguf_file:
         files = [folder / vcfg.gguf_file]
-    elif folder.is_dir():
+    else:  # no folder: globs find nothing
         files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-    else:
-        files = []
     files = [f for f in files if f.is_file()]
     if not files:
         return None
@@ -144,29 +144,22 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = _device_or_fault(device)
-    if isinstance(dev, str):
-        raise UserError(f"verifier.device: {dev}")
-    return dev
-
-
-def _device_or_fault(device: Union[str, torch.device]) -> Union[torch.device, str]:
-    """``torch.device(device)``, or why ``verifier.device`` cannot be it: not a device name, or a CUDA device this
-    machine does not have (naming the ones it has and the fix)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        return f"invalid device '{device}'"
-    n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
-    if dev.type == "cuda" and (n == 0 or (dev.index or 0) >= n):
+        dev, fault = None, f"invalid device '{device}'"
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev is not None and (dev.type != "cuda" or (dev.index or 0) < n):
+        return dev
+    if dev is not None:  # a CUDA device this machine does not have: the ones it has and the fix
         has = (
             f"{n} CUDA device{'s' if n != 1 else ''} (cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them"
             if n
             else f"no CUDA (torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
             "auto (cuda when there is one, else cpu) or cpu"
         )
-        return f"'{device}', but this machine has {has}"
-    return dev
+        fault = f"'{device}', but this machine has {has}"
+    raise UserError(f"verifier.device: {fault}")
 
 
 def cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
@@ -184,8 +177,8 @@ def cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
 
 def cpu_auto_dtype(flags: Iterable[str]) -> str:
     """``verifier.dtype: auto`` on a CPU with these feature ``flags`` (:func:`cpu_flags`): ``bfloat16`` where it has
-    bf16 instructions (any of :data:`BF16_CPU_FLAGS`), else ``float32`` (without them bf16 is emulated: 01/02's
-    prefill was 6.4x slower than float32 on an AVX2-only CPU, issue 51)."""
+    bf16 instructions (any of :data:`BF16_CPU_FLAGS`), else ``float32`` (bf16 would be emulated, several times
+    slower)."""
     return "bfloat16" if set(flags) & set(BF16_CPU_FLAGS) else "float32"
 
 
@@ -288,13 +281,13 @@ def config_eos_ids(vcfg: VerifierSpec) -> set[int]:
     return out
 
 
-def register_stop_ids(tokenizer, ids: set[int]) -> None:
-    """Attach the verifier folder's stop ids (:func:`config_eos_ids`) to its tokenizer object for
-    :func:`stop_token_ids`."""
-    try:
-        _STOP_IDS[tokenizer] = frozenset(_builtin_stop_ids(tokenizer) | {int(i) for i in ids})
-    except TypeError:  # not weak-referenceable: only the built-in set
-        pass
+def register_stop_ids(tokenizer, ids: Iterable[int]) -> frozenset[int]:
+    """The tokenizer's built-in stop ids | ``ids`` (the verifier folder's, :func:`config_eos_ids`), attached to the
+    tokenizer object for :func:`stop_token_ids` (not when it is not weak-referenceable)."""
+    stop = frozenset(_builtin_stop_ids(tokenizer) | {int(i) for i in ids})
+    with contextlib.suppress(TypeError):
+        _STOP_IDS[tokenizer] = stop
+    return stop
 
 
 def _builtin_stop_ids(tokenizer) -> set[int]:
@@ -318,13 +311,7 @@ def stop_token_ids(tokenizer) -> set[int]:
     try:
         return set(_STOP_IDS[tokenizer])
     except (KeyError, TypeError):
-        pass
-    ids = _builtin_stop_ids(tokenizer)
-    try:
-        _STOP_IDS[tokenizer] = frozenset(ids)
-    except TypeError:
-        pass
-    return ids
+        return set(register_stop_ids(tokenizer, ()))
 
 
 def load_verifier_config(vcfg: VerifierSpec):
@@ -358,11 +345,9 @@ _GGUF_DTYPE_NOTE = "Loading a GGUF checkpoint with its weights packed is fastest
 _GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
 
 
-class _DropGgufDtypeNote(logging.Filter):
-    """Drops transformers' "GGUF is fastest in float32" warning (:data:`_GGUF_DTYPE_NOTE`); passes every other record."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(_GGUF_DTYPE_NOTE)
+def _not_gguf_dtype_note(record: logging.LogRecord) -> bool:
+    """A logging filter: False for transformers' "GGUF is fastest in float32" warning (:data:`_GGUF_DTYPE_NOTE`)."""
+    return not str(record.getMessage()).startswith(_GGUF_DTYPE_NOTE)
 
 
 @contextlib.contextmanager
@@ -372,12 +357,12 @@ def _gguf_dtype_note_silenced(vcfg: VerifierSpec, dtype: str):
     if not vcfg.gguf_file or dtype == "float32":
         yield
         return
-    logger, note = logging.getLogger(_GGUF_LOGGER), _DropGgufDtypeNote()
-    logger.addFilter(note)
+    logger = logging.getLogger(_GGUF_LOGGER)
+    logger.addFilter(_not_gguf_dtype_note)
     try:
         yield
     finally:
-        logger.removeFilter(note)
+        logger.removeFilter(_not_gguf_dtype_note)
 
 
 def load_verifier(vcfg: VerifierSpec, device: Optional[Union[str, torch.device]] = None):
@@ -407,11 +392,9 @@ def load_verifier(vcfg: VerifierSpec, device: Optional[Union[str, torch.device]]
         )
     model.to(dev)
     model.eval()
-    if (
-        getattr(model, "generation_config", None) is not None
-        and model.generation_config.pad_token_id is None
-    ):
-        model.generation_config.pad_token_id = tok.pad_token_id
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and gen.pad_token_id is None:
+        gen.pad_token_id = tok.pad_token_id
     return model, tok
 
 
@@ -469,17 +452,6 @@ def serving_context_length(cfg: Any) -> Optional[int]:
     return None
 
 
-def _causal_lm_class_name(model_type: Optional[str]) -> Optional[str]:
-    """transformers' causal-LM class name for a ``model_type`` (GGUF configs carry no ``architectures``)."""
-    if not model_type:
-        return None
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except ImportError:  # pragma: no cover - moved in a future transformers
-        return None
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-
-
 def verifier_dims(hf_config: Any) -> dict:
     """The verifier shapes the pipeline needs, read from the text model's config.
 
@@ -515,7 +487,9 @@ def verifier_dims(hf_config: Any) -> dict:
         out[key] = int(v)
     archs = cfg_get(top, "architectures") or cfg_get(tc, "architectures") or [None]
     out["model_type"] = cfg_get(tc, "model_type")
-    out["architecture"] = archs[0] or _causal_lm_class_name(out["model_type"])
+    out["architecture"] = archs[0] or CAUSAL_LM_CLASSES.get(
+        out["model_type"]
+    )  # GGUF: no architectures
     out["rms_norm_eps"] = float(
         cfg_get(tc, "rms_norm_eps", cfg_get(tc, "layer_norm_eps", 1e-6)) or 1e-6
     )

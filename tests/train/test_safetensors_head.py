@@ -283,3 +283,18 @@ def test_head_tensors_against_the_config_are_one_line(tmp_path):
     assert str(e.value) == (
         f"{d}: tensor 'model.norm.weight' has shape ({H + 1},), {d / 'config.json'} implies ({H},)"
     )
+
+
+def test_dtype_casts_every_tensor_and_a_tied_head_stays_tied(tmp_path):
+    embed = torch.randn(V, H).to(torch.bfloat16)  # [V, H]
+    norm = torch.rand(H).to(torch.bfloat16)  # [H]
+    cfg = {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6}
+    _write_sharded(
+        tmp_path / "t",
+        {"a.safetensors": {"model.embed_tokens.weight": embed, "model.norm.weight": norm}},
+        cfg,
+    )
+    th = load_target_head_from_safetensors(tmp_path / "t", "pre_norm", dtype=torch.float32)
+    assert th.lm_head is th.embed and th.tied and th.last_is_post_norm is False
+    assert th.embed.dtype == th.norm_weight.dtype == torch.float32
+    assert torch.equal(th.embed, embed.float()) and torch.equal(th.norm_weight, norm.float())
