@@ -169,6 +169,11 @@ def find_latest_checkpoint(
     return None
 
 
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The ``requires_grad`` parameters, detached on CPU, by name."""
+    return {n: p.detach().to("cpu").clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def config_fingerprint(obj: Any) -> str:
     """sha256 (hex, 16 chars) of a JSON-serialisable object with sorted keys."""
     blob = json.dumps(obj, sort_keys=True, default=str).encode("utf-8")

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from eagle3.errors import UserError
 from eagle3.process_group import Dist
@@ -28,13 +27,6 @@ from eagle3.train.report import (
 from eagle3.train.schedule import WarmupCosine, warmup_steps_for
 
 log = logging.getLogger(__name__)
-
-
-def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
-    """The ``requires_grad`` parameters, detached on CPU, by name."""
-    return {
-        n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad
-    }
 
 
 @dataclass
@@ -338,7 +330,7 @@ def save(pos: Any, rec: RunRecord, d: Dist, order: TrainData, opt: Any, inputs: 
             "epoch": pos.epoch,
             "steps_in_epoch": pos.step_in_epoch,
             "samples_in_epoch": order.samples_before(pos.epoch, pos.step_in_epoch),
-            "model": trainable_state(inputs.drafter),
+            "model": ckpt.trainable_state(inputs.drafter),
             "optimizer": opt.optimizer.state_dict(),
             "scheduler": opt.scheduler.state_dict(),
             "rng": rngs,
