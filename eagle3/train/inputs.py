@@ -28,7 +28,7 @@ from eagle3.train import checkpoint as ckpt
 from eagle3.train import resume_checks
 from eagle3.train.folder import check_train_dir
 from eagle3.train.loop import TTTObjective
-from eagle3.train.online import state_source, unused_shard_states_note
+from eagle3.train.online import state_source
 from eagle3.train.order import TrainData, data_inputs, data_order
 from eagle3.train.schedule import build_scheduler
 from eagle3.train.warm_start import (
@@ -326,26 +326,8 @@ def load_inputs(
     )
     del head
     stop_check()
-    inputs.states = _state_source(s, d, data_config, feat_dtype)
+    inputs.states = state_source(s, d, data_config, feat_dtype)
     return inputs
-
-
-def _state_source(s: Setup, d: Dist, data_config: dict, feat_dtype: torch.dtype):
-    """The hidden-state source (:func:`eagle3.train.online.state_source`), with rank 0's note on unused shard states."""
-    t = s.train
-    unused = unused_shard_states_note(t.hidden_states, s.extract.backend, s.shards_dir, data_config)
-    if unused and d.is_main:
-        log.info(unused)
-    return state_source(
-        t.hidden_states,
-        s.verifier,
-        s.extract,
-        t.online_prefetch,
-        s.shards_dir,
-        data_config,
-        d.device,
-        feat_dtype,
-    )
 
 
 def _warm_start(s: Setup, d: Dist, drafter, init: Optional[Callable], data_config: dict):
