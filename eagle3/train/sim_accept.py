@@ -24,6 +24,7 @@ At ``train.select_temperature`` T > 0 ``alpha_j`` is the expected acceptance of 
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, read_json
+from eagle3.io import atomic_torch_save, atomic_write_bytes, atomic_write_json, read_json
 from eagle3.io.read import safe_torch_load
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.sampled_accept import SAMPLED_KEY, SampledAcceptance
@@ -312,26 +313,37 @@ class BestTracker:
         """``sim_accept.png``: tau_sim(chain) per validation step, the best one marked."""
         if not self.enabled or not self.rows:
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         rows = sorted(self.rows, key=lambda r: r["step"])
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(
-            [r["step"] for r in rows],
-            [r["tau_sim"] for r in rows],
-            "o-",
-            label=f"tau_sim({self.chain})",
-        )
-        if self.best is not None:
-            ax.plot([self.best["step"]], [self.best["tau_sim"]], "r*", markersize=14, label="best")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("simulated acceptance length (validation)")
-        ax.legend()
-        fig.tight_layout()
-        atomic_save_png(fig, self.dir / PLOT_FILE)
+        xy = ([r["step"] for r in rows], [r["tau_sim"] for r in rows])
+        series = [(*xy, "o-", {"label": f"tau_sim({self.chain})"})]
+        best = self.best
+        if best is not None:
+            series.append(
+                ([best["step"]], [best["tau_sim"]], "r*", dict(markersize=14, label="best"))
+            )
+        png = step_png("simulated acceptance length (validation)", *series)
+        atomic_write_bytes(self.dir / PLOT_FILE, png)
+
+
+def step_png(ylabel: str, *series: tuple) -> bytes:
+    """PNG bytes of a 6 x 4 in. figure (Agg) of ``(steps, values, fmt, plot kwargs)`` series over optimizer steps,
+    with axis labels and a legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for x, y, fmt, kw in series:
+        ax.plot(x, y, fmt, **kw)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
 
 
 def _best_file_row(path: Path, curve_best: Optional[dict]) -> Optional[dict]:
