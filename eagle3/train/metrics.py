@@ -123,12 +123,9 @@ class Accum:
         count = sums["count"].clamp(min=1)  # [K]
         step_loss = (sums["ce_sum"] / count).tolist()  # [K]
         out = {"loss": sum(step_weight**i * x for i, x in enumerate(step_loss))}
-        for i, x in enumerate(step_loss):
-            out[f"step_loss_{i}"] = x
-        for i, x in enumerate((sums["correct"] / count).tolist()):
-            out[f"acc_{i}"] = x
-        out["loss_tokens"] = float(sums["count"][0])
-        return out
+        out.update((f"step_loss_{i}", x) for i, x in enumerate(step_loss))
+        out.update((f"acc_{i}", x) for i, x in enumerate((sums["correct"] / count).tolist()))
+        return {**out, "loss_tokens": float(sums["count"][0])}
 
 
 class _WarningLines(logging.Handler):
@@ -153,12 +150,10 @@ def collect_warnings(enabled: bool):
     ``warnings``); ``enabled``: rank 0, else the list stays empty.
     """
     lines: list[str] = []
-    handler = _WarningLines(lines) if enabled else None
-    target = logging.getLogger("eagle3")
-    if handler is not None:
+    handler, target = _WarningLines(lines), logging.getLogger("eagle3")
+    if enabled:
         target.addHandler(handler)
     try:
         yield lines
     finally:
-        if handler is not None:
-            target.removeHandler(handler)
+        target.removeHandler(handler)  # a no-op when it was not added
