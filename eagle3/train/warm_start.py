@@ -15,6 +15,7 @@ from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.manifest import DrafterManifest
 from eagle3.train import checkpoint as ckpt
+from eagle3.train import resume_checks
 from eagle3.verifier.head import TargetHead
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,6 @@ def warm_start_planned(
     is_main: bool,
     resume: bool,
     args,
-    config_keys: Collection[str],
 ) -> bool:
     """Whether this call warm-starts from ``init_from`` (``train.init_from``): set, and no ``--resume`` checkpoint in
     ``train_dir`` to continue (it holds the run's weights, the warm start's included); checked against ``args`` first
@@ -246,5 +246,5 @@ def warm_start_planned(
                 init_from,
             )
         return False
-    mine = {} if args is None else {key: getattr(args, key) for key in WARM_START_SHAPE}
-    return check_init_from(init_from, mine, config_keys)
+    mine = {key: getattr(args, key) for key in WARM_START_SHAPE}
+    return check_init_from(init_from, mine, resume_checks.DRAFTER_CONFIG_KEYS)
