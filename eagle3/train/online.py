@@ -16,8 +16,9 @@ from __future__ import annotations
 import collections
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -216,18 +217,17 @@ class CapturedBatches:
         self._src = iter(())
 
 
+@dataclass(eq=False)
 class ServerStates(ShardStates):
     """Online against capture servers (``extract.backend: sglang``): :class:`CapturedBatches` on the host, then moved
     to the device like shard states.
     """
 
     reads_shard_states = False
-
-    def __init__(self, backend, hidden_size: int, depth: int, pin: bool):
-        self.backend = backend
-        self.hidden_size = hidden_size
-        self.depth = depth
-        self.pin = pin
+    backend: Any
+    hidden_size: int
+    depth: int
+    pin: bool
 
     @classmethod
     def connect(
