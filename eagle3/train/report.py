@@ -51,25 +51,19 @@ def earlier_segments(state: dict) -> list[dict]:
     step = int(state["step"])
     segs = state.get("segments")
     if not isinstance(segs, list):
-        return (
-            [segment_record(0, step, None, None, int(state.get("world_size", 1)), None)]
-            if step > 0
-            else []
-        )
-    out = []
-    for g in segs:
-        if isinstance(g, dict) and int(g.get("start_step", step)) < step:
-            out.append({**g, "end_step": min(int(g["end_step"]), step)})
-    return out
+        one = segment_record(0, step, None, None, int(state.get("world_size", 1)), None)
+        return [one] if step > 0 else []
+    segs = [g for g in segs if isinstance(g, dict) and int(g.get("start_step", step)) < step]
+    return [{**g, "end_step": min(int(g["end_step"]), step)} for g in segs]
 
 
 def state_source_switch(path: Path, earlier: list[dict], now: dict) -> Optional[str]:
     """The warning of a resume taking its states from another source than the checkpoint's last part (allowed: the same
     verifier's states up to storage rounding), else None.
     """
-    if not earlier or earlier[-1].get("hidden_states") is None:
+    last = earlier[-1] if earlier else {}
+    if last.get("hidden_states") is None:
         return None
-    last = earlier[-1]
 
     def name(g: dict) -> str:
         return g["hidden_states"] + (
@@ -240,11 +234,8 @@ def record_export_only(
     report.pop("export_error", None)
     report["other_exports"] = _other_exports(report, train_dir, export_dir)
     report["export_dir"] = str(export_dir)
-    report["export_only"] = {
-        "checkpoint": str(checkpoint),
-        "weights_step": int(weights_step),
-        "engine": engine,
-    }
+    done = dict(checkpoint=str(checkpoint), weights_step=int(weights_step), engine=engine)
+    report["export_only"] = done
     try:  # a read-only train folder: the export stands
         probe_dirs(train_dir)
     except UserError as e:
