@@ -195,11 +195,8 @@ class BestTracker:
                 )
         else:
             best_path.unlink(missing_ok=True)
-            self.best = (
-                max(self.rows, key=lambda r: r["tau_sim"])
-                if (self.rows and not self.keep_best)
-                else None
-            )
+            rows = [] if self.keep_best else self.rows  # sim_accept: no weights, no best
+            self.best = max(rows, key=lambda r: r["tau_sim"], default=None)
 
     def _keep(self, path: Path, best: Optional[dict], start_step: int) -> bool:
         """Whether the recorded ``best`` stays the best on a resume. Under sim_accept it stays while its weights are
