@@ -194,10 +194,9 @@ def _kept_global_batch(found: ResumeRecord, now: ResumeRecord) -> Optional[tuple
 def data_order_problem(found: ResumeRecord, now: ResumeRecord) -> Optional[str]:
     """What a resume refuses of the checkpoint's ``data_order`` (None: nothing).
 
-    The checkpoint's position is skipped in the epoch's batch order, a function of :data:`DATA_ORDER`. With both
-    process counts known, ``train.batch_size`` / ``train.grad_accum`` may change where the global batch
-    (:func:`_split`) stays the checkpoint's: a step consumes the next global batch of the epoch's order
-    whatever its split, and the loss does not depend on the split (DESIGN.md "Loss normalisation")."""
+    :data:`DATA_ORDER` fixes the epoch's batch order; with both process counts known, ``train.batch_size`` /
+    ``train.grad_accum`` may change where the global batch (:func:`_split`) stays the checkpoint's (the loss does
+    not depend on the split, DESIGN.md "Loss normalisation")."""
     keys = found.changed(now, sorted(DATA_ORDER))
     if not keys:
         return None

@@ -199,10 +199,8 @@ class BestTracker:
             self.best = max(rows, key=lambda r: r["tau_sim"], default=None)
 
     def _keep(self, path: Path, best: Optional[dict], start_step: int) -> bool:
-        """Whether the recorded ``best`` stays the best on a resume. Under sim_accept it stays while its weights are
-        on disk, also one taken after the checkpoint resumed from (a hard kill between a validation and the next
-        checkpoint: a rerun that is not bit-deterministic may validate that step worse, and its weights are real
-        weights of this training); never when it comes after this run's end (``--stop-at`` / a step cap lowered)."""
+        """Whether the recorded ``best`` stays the best on a resume: under sim_accept while its weights are on disk,
+        also when taken after the checkpoint resumed from; else when not after it; never after this run's end."""
         keep = best is not None and (
             (self.dir / BEST_FILE).is_file() if self.keep_best else int(best["step"]) <= start_step
         )
