@@ -92,14 +92,14 @@ def reduce_totals(totals: dict[str, torch.Tensor], d: Dist) -> dict[str, torch.T
 
 
 class Accum:
-    """A window's sums of micro-batch metrics on the device (no host sync), from zeros ``[K]`` so every rank reduces the
-    same keys.
+    """A window's sums of micro-batch metrics (:attr:`KEYS`, float64 ``[K]`` each) on the device (no host sync), from
+    zeros ``[K]`` so every rank reduces the same keys.
     """
 
+    KEYS = ("ce_sum", "correct", "count")
+
     def __init__(self, ttt_length: int):
-        self.sums = {
-            k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")
-        }
+        self.sums = {k: torch.zeros(ttt_length, dtype=torch.float64) for k in self.KEYS}
         self.n = 0
 
     def add(self, metrics: dict) -> None:
