@@ -69,18 +69,17 @@ def check_conventions(info: dict, aux_layers: list[int], data_config: dict, wher
             )
 
 
+@dataclass(eq=False)
 class VerifierStates(ShardStates):
     """Online in-process verifier (``extract.backend: hf``): ``capture`` an :class:`eagle3.capture.hf.HFCapture` on the
     training device; ``feat_dtype`` the drafter's feature dtype.
     """
 
     reads_shard_states = False
-
-    def __init__(self, capture, feat_dtype: torch.dtype, verifier_dtype: str = "?"):
-        self.capture = capture
-        self.feat_dtype = feat_dtype
-        self.verifier_dtype = verifier_dtype
-        self._finite: Optional[torch.Tensor] = None  # 0-dim bool on the device: all finite so far
+    capture: Any
+    feat_dtype: torch.dtype
+    verifier_dtype: str = "?"
+    _finite: Optional[torch.Tensor] = None  # 0-dim bool on the device: all finite so far
 
     @classmethod
     def load(
