@@ -169,6 +169,11 @@ def find_latest_checkpoint(
     return None
 
 
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The ``requires_grad`` parameters, detached on CPU, by name."""
+    return {n: p.detach().to("cpu").clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def config_fingerprint(obj: Any) -> str:
     """sha256 (hex, 16 chars) of a JSON-serialisable object with sorted keys."""
     blob = json.dumps(obj, sort_keys=True, default=str).encode("utf-8")
@@ -177,26 +182,27 @@ def config_fingerprint(obj: Any) -> str:
 
 def capture_rng() -> dict:
     """This process's RNG states (torch CPU, CUDA, Python, NumPy) as weights-only-safe values."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": _py_state_to_list(random.getstate()),
-    }
-    state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {
-        "name": name,
-        "keys": torch.from_numpy(keys.astype("int64")),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
+    return {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
     }
-    return state
 
 
 def restore_rng(state: dict) -> None:
     """Inverse of :func:`capture_rng` (CUDA only when the device count matches)."""
     torch.set_rng_state(state["torch"])
-    random.setstate(_py_state_from_list(state["python"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
@@ -204,13 +210,3 @@ def restore_rng(state: dict) -> None:
     if s is not None:
         keys = s["keys"].numpy().astype("uint32")
         np.random.set_state((s["name"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
-
-
-def _py_state_to_list(s: tuple) -> list:
-    version, internal, gauss = s
-    return [version, list(internal), gauss]
-
-
-def _py_state_from_list(s: list) -> tuple:
-    version, internal, gauss = s
-    return (version, tuple(internal), gauss)

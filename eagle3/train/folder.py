@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
@@ -74,34 +74,26 @@ def undo_on_refusal(train_dir: Path, enabled: bool):
 
 
 def check_train_dir(
-    train_dir: Path,
-    data_dir: Path,
-    d: Dist,
-    resume: bool,
-    current: Optional[Callable[[], dict]] = None,
+    train_dir: Path, data_dir: Path, d: Dist, resume: bool, current: Callable[[], dict]
 ) -> None:
     """Refuse existing checkpoints without ``resume`` (:func:`without_resume_refusal`, judged against ``current()``, called
     only then); drop stale temp files (rank 0).
     """
     if ckpt.list_checkpoints(train_dir) and not resume:
-        raise UserError(
-            without_resume_refusal(train_dir, data_dir, current() if current is not None else None)
-        )
+        raise UserError(without_resume_refusal(train_dir, data_dir, current()))
     if d.is_main and train_dir.is_dir():
         ckpt.remove_stale_tmp(train_dir)
 
 
-def without_resume_refusal(train_dir: Path, data_dir: Path, current: Optional[dict]) -> str:
+def without_resume_refusal(train_dir: Path, data_dir: Path, current: dict) -> str:
     """The one line refusing a 04 without ``--resume`` in a folder with checkpoints: ``pass --resume`` when the resume's
-    checks against ``current`` (:func:`eagle3.train.inputs.resume_current`; None: not judged) pass (naming the step
+    checks against ``current`` (:func:`eagle3.train.inputs.resume_current`) pass (naming the step
     taken when the newest file does not load), else why not and the alternatives (a new ``train.output_dir``, or
     deleting the checkpoints).
     """
     where = ckpt.ckpt_dir(train_dir)
     existing = ckpt.list_checkpoints(train_dir)
     head = f"{where}: holds checkpoints (newest step {existing[-1][0]})"
-    if current is None:
-        return f"{head}; pass --resume to continue, or set train.output_dir to a new folder"
     try:
         path, state = ckpt.find_latest_checkpoint(train_dir, warn=False)
         resume_checks.check_resume(path, state, current, data_dir)

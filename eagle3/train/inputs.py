@@ -25,10 +25,9 @@ from eagle3.process_group import Dist
 from eagle3.shards.checks import check_verifier_dims
 from eagle3.shards.data_config import expect_from_data_config
 from eagle3.train import checkpoint as ckpt
-from eagle3.train import resume_checks
 from eagle3.train.folder import check_train_dir
 from eagle3.train.loop import TTTObjective
-from eagle3.train.online import state_source, unused_shard_states_note
+from eagle3.train.online import state_source
 from eagle3.train.order import TrainData, data_inputs, data_order
 from eagle3.train.schedule import build_scheduler
 from eagle3.train.warm_start import (
@@ -194,13 +193,11 @@ def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
 
 def recipe(s: Setup) -> dict:
     """The training recipe a checkpoint records (key ``recipe``, dotted config keys), compared on ``--resume``."""
-    t = s.train
     keys = (
         "ttt_length step_weight loss lk_eta lr weight_decay warmup_ratio epochs max_steps grad_clip"
     )
-    out = {f"train.{k}": getattr(t, k) for k in keys.split()}
-    out["extract.max_length"] = s.extract.max_length
-    return out
+    out = {f"train.{k}": getattr(s.train, k) for k in keys.split()}
+    return {**out, "extract.max_length": s.extract.max_length}
 
 
 def resume_current(s: Setup, args, split: dict, vocab: dict, data_config: dict) -> dict:
@@ -223,12 +220,9 @@ def fingerprint(s: Setup, args) -> str:
     # recorded only when set, so that fingerprints of earlier runs stay what they were
     if t.loss != "soft_ce":
         keep.update(loss=t.loss, lk_eta=t.lk_eta)
+    drafter = args.to_json()  # num_layers only when > 1
     return ckpt.config_fingerprint(
-        {
-            "train": keep,
-            "drafter": args.to_json(),  # num_layers only when > 1
-            "max_length": s.extract.max_length,
-        }
+        {"train": keep, "drafter": drafter, "max_length": s.extract.max_length}
     )
 
 
@@ -266,9 +260,7 @@ def _drafter_and_folder(
     require_verifier_width(
         args.hidden_size, data_config["hidden_size"], str(s.shards_dir / "data_config.json")
     )
-    warm = warm_start_planned(
-        s.train.init_from, s.train_dir, d.is_main, resume, args, resume_checks.DRAFTER_CONFIG_KEYS
-    )
+    warm = warm_start_planned(s.train.init_from, s.train_dir, d.is_main, resume, args)
     if lock is not None:
         lock()  # before the folder check deletes stale temp files
     check_train_dir(
@@ -326,26 +318,8 @@ def load_inputs(
     )
     del head
     stop_check()
-    inputs.states = _state_source(s, d, data_config, feat_dtype)
+    inputs.states = state_source(s, d, data_config, feat_dtype)
     return inputs
-
-
-def _state_source(s: Setup, d: Dist, data_config: dict, feat_dtype: torch.dtype):
-    """The hidden-state source (:func:`eagle3.train.online.state_source`), with rank 0's note on unused shard states."""
-    t = s.train
-    unused = unused_shard_states_note(t.hidden_states, s.extract.backend, s.shards_dir, data_config)
-    if unused and d.is_main:
-        log.info(unused)
-    return state_source(
-        t.hidden_states,
-        s.verifier,
-        s.extract,
-        t.online_prefetch,
-        s.shards_dir,
-        data_config,
-        d.device,
-        feat_dtype,
-    )
 
 
 def _warm_start(s: Setup, d: Dist, drafter, init: Optional[Callable], data_config: dict):
@@ -378,9 +352,8 @@ class Data:
     val_lengths: Optional[list[int]]
     eval_every: Optional[int]  # None: at the end of each epoch
     horizon: Optional[int]  # max_steps / train.max_steps (None: the epochs decide)
-    horizon_from: str = (
-        "train.epochs"  # what sets total_steps: "--max-steps N" / "train.max_steps N"
-    )
+    # what sets total_steps: "train.epochs E" / "--max-steps N" / "train.max_steps N"
+    horizon_from: str = "train.epochs"
 
 
 def build_data(s: Setup, d: Dist, inputs: Inputs, max_steps: Optional[int]) -> Data:
@@ -391,13 +364,11 @@ def build_data(s: Setup, d: Dist, inputs: Inputs, max_steps: Optional[int]) -> D
     max_len = int(inputs.data_config["max_length"])
     split_file = s.data_dir / "split.json"  # named in a missing-shard error
 
+    expect, states = expect_from_data_config(inputs.data_config), inputs.states.reads_shard_states
+
     def dataset(name: str) -> ShardDataset:
-        expect = expect_from_data_config(inputs.data_config)
-        states = inputs.states.reads_shard_states
         ids = inputs.split[name]
-        return ShardDataset(
-            s.shards_dir, ids, max_len, expect, name, states=states, split_file=split_file
-        )
+        return ShardDataset(s.shards_dir, ids, max_len, expect, name, states, split_file)
 
     train_ds = dataset("train")
     val_ds = dataset("val") if inputs.split["val"] else None

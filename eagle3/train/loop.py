@@ -182,6 +182,7 @@ class LoopSettings:
     num_workers: Optional[int] = None
 
 
+@dataclass(eq=False)
 class TrainLoop:
     """One rank's optimizer steps after setup.
 
@@ -193,26 +194,20 @@ class TrainLoop:
         opt: ``objective``, ``model`` (wrapped), ``params``, ``optimizer``, ``scheduler``.
         pos: :class:`Progress`; save: checkpoint at ``pos.step`` (every rank), returns its path.
         before_first_step: called before this call's first step (a stop signal at start-up).
-
-    Set before :meth:`run`: ``metrics`` (:class:`eagle3.train.metrics.Metrics`), ``tracker``
-    (:class:`eagle3.train.sim_accept.BestTracker`).
+        metrics, tracker: set before :meth:`run`: :class:`eagle3.train.metrics.Metrics`,
+            :class:`eagle3.train.sim_accept.BestTracker`.
     """
 
-    def __init__(
-        self,
-        s: LoopSettings,
-        d: Dist,
-        inputs: Any,
-        data: Any,
-        opt: Any,
-        pos: Progress,
-        save: Callable[[], Path],
-        before_first_step: Callable[[], None] = lambda: None,
-    ):
-        self.s, self.d, self.inputs, self.data, self.opt, self.pos = s, d, inputs, data, opt, pos
-        self.save, self.before_first_step = save, before_first_step
-        self.metrics: Any = None  # set before run()
-        self.tracker: Any = None
+    s: LoopSettings
+    d: Dist
+    inputs: Any
+    data: Any
+    opt: Any
+    pos: Progress
+    save: Callable[[], Path]
+    before_first_step: Callable[[], None] = lambda: None
+    metrics: Any = None
+    tracker: Any = None
 
     def run(self, stop: StopFlag, stop_after: Optional[int]) -> Progress:
         """Optimizer steps until ``pos.end_step``, a stop signal or ``stop_after`` steps of this call."""

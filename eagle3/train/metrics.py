@@ -92,14 +92,14 @@ def reduce_totals(totals: dict[str, torch.Tensor], d: Dist) -> dict[str, torch.T
 
 
 class Accum:
-    """A window's sums of micro-batch metrics on the device (no host sync), from zeros ``[K]`` so every rank reduces the
-    same keys.
+    """A window's sums of micro-batch metrics (:attr:`KEYS`, float64 ``[K]`` each) on the device (no host sync), from
+    zeros ``[K]`` so every rank reduces the same keys.
     """
 
+    KEYS = ("ce_sum", "correct", "count")
+
     def __init__(self, ttt_length: int):
-        self.sums = {
-            k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")
-        }
+        self.sums = {k: torch.zeros(ttt_length, dtype=torch.float64) for k in self.KEYS}
         self.n = 0
 
     def add(self, metrics: dict) -> None:
@@ -123,12 +123,9 @@ class Accum:
         count = sums["count"].clamp(min=1)  # [K]
         step_loss = (sums["ce_sum"] / count).tolist()  # [K]
         out = {"loss": sum(step_weight**i * x for i, x in enumerate(step_loss))}
-        for i, x in enumerate(step_loss):
-            out[f"step_loss_{i}"] = x
-        for i, x in enumerate((sums["correct"] / count).tolist()):
-            out[f"acc_{i}"] = x
-        out["loss_tokens"] = float(sums["count"][0])
-        return out
+        out.update((f"step_loss_{i}", x) for i, x in enumerate(step_loss))
+        out.update((f"acc_{i}", x) for i, x in enumerate((sums["correct"] / count).tolist()))
+        return {**out, "loss_tokens": float(sums["count"][0])}
 
 
 class _WarningLines(logging.Handler):
@@ -153,12 +150,10 @@ def collect_warnings(enabled: bool):
     ``warnings``); ``enabled``: rank 0, else the list stays empty.
     """
     lines: list[str] = []
-    handler = _WarningLines(lines) if enabled else None
-    target = logging.getLogger("eagle3")
-    if handler is not None:
+    handler, target = _WarningLines(lines), logging.getLogger("eagle3")
+    if enabled:
         target.addHandler(handler)
     try:
         yield lines
     finally:
-        if handler is not None:
-            target.removeHandler(handler)
+        target.removeHandler(handler)  # a no-op when it was not added

@@ -16,8 +16,9 @@ from __future__ import annotations
 import collections
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -59,15 +60,8 @@ def check_conventions(info: dict, aux_layers: list[int], data_config: dict, wher
     """UserError (``data_config.json``'s key, both values, the fix) when the backend's ``info`` (hidden size, vocab,
     layers, architecture, last-state convention) or ``aux_layers`` differ from ``data_config``; ``where`` names it.
     """
-    got = {
-        "hidden_size": info["hidden_size"],
-        "vocab_size": info["vocab_size"],
-        "num_layers": info["num_layers"],
-        "architecture": info["architecture"],
-        "last_hidden_state": info["last_hidden_state"],
-        "aux_layers": list(aux_layers),
-    }
-    for key, value in got.items():
+    keys = ("hidden_size", "vocab_size", "num_layers", "architecture", "last_hidden_state")
+    for key, value in [*((k, info[k]) for k in keys), ("aux_layers", list(aux_layers))]:
         if data_config.get(key) != value:
             raise UserError(
                 f"{DATA_CONFIG}: key '{key}' is {data_config.get(key)!r} but {where} gives {value!r}; "
@@ -75,18 +69,17 @@ def check_conventions(info: dict, aux_layers: list[int], data_config: dict, wher
             )
 
 
-class VerifierStates:
+@dataclass(eq=False)
+class VerifierStates(ShardStates):
     """Online in-process verifier (``extract.backend: hf``): ``capture`` an :class:`eagle3.capture.hf.HFCapture` on the
     training device; ``feat_dtype`` the drafter's feature dtype.
     """
 
     reads_shard_states = False
-
-    def __init__(self, capture, feat_dtype: torch.dtype, verifier_dtype: str = "?"):
-        self.capture = capture
-        self.feat_dtype = feat_dtype
-        self.verifier_dtype = verifier_dtype
-        self._finite: Optional[torch.Tensor] = None  # 0-dim bool on the device: all finite so far
+    capture: Any
+    feat_dtype: torch.dtype
+    verifier_dtype: str = "?"
+    _finite: Optional[torch.Tensor] = None  # 0-dim bool on the device: all finite so far
 
     @classmethod
     def load(
@@ -117,9 +110,6 @@ class VerifierStates:
                 verifier.dtype,
             )
         return cls(capture, feat_dtype, verifier.dtype)
-
-    def wrap(self, batches: Iterator[dict]) -> Iterator[dict]:
-        return batches
 
     def fill(self, batch: dict) -> dict:
         """A device batch plus ``aux`` ``[B, L, 3H]`` and ``last`` ``[B, L, H]`` (feature dtype, zero on padding) from one
@@ -226,18 +216,17 @@ class CapturedBatches:
         self._src = iter(())
 
 
+@dataclass(eq=False)
 class ServerStates(ShardStates):
     """Online against capture servers (``extract.backend: sglang``): :class:`CapturedBatches` on the host, then moved
     to the device like shard states.
     """
 
     reads_shard_states = False
-
-    def __init__(self, backend, hidden_size: int, depth: int, pin: bool):
-        self.backend = backend
-        self.hidden_size = hidden_size
-        self.depth = depth
-        self.pin = pin
+    backend: Any
+    hidden_size: int
+    depth: int
+    pin: bool
 
     @classmethod
     def connect(
@@ -316,22 +305,19 @@ def unused_shard_states_note(
     )
 
 
-def state_source(
-    hidden_states: str,
-    verifier,
-    extract,
-    prefetch: int,
-    shards_dir: Path,
-    data_config: dict,
-    device: torch.device,
-    feat_dtype: torch.dtype,
-):
-    """The hidden-state source of ``hidden_states``: the shards, the ``verifier`` on ``device``, or the capture servers
-    of ``extract`` with ``prefetch`` batches ahead. UserError as :func:`check_hidden_states` or when a source cannot start.
+def state_source(s, d, data_config: dict, feat_dtype: torch.dtype):
+    """The hidden-state source of ``s.train.hidden_states`` (``s``: :class:`eagle3.train.inputs.Setup`, ``d``: this
+    rank's :class:`eagle3.process_group.Dist`): the shards, the verifier on ``d.device``, or the capture servers of
+    ``s.extract`` with ``train.online_prefetch`` batches ahead; rank 0 logs :func:`unused_shard_states_note` first.
+    UserError as :func:`check_hidden_states` or when a source cannot start.
     """
-    check_hidden_states(hidden_states, extract, shards_dir, data_config)
-    if hidden_states == "offline":
+    hidden, ex = s.train.hidden_states, s.extract
+    unused = unused_shard_states_note(hidden, ex.backend, s.shards_dir, data_config)
+    if unused and d.is_main:
+        log.info(unused)
+    check_hidden_states(hidden, ex, s.shards_dir, data_config)
+    if hidden == "offline":
         return ShardStates()
-    if extract.backend == "sglang":
-        return ServerStates.connect(extract, prefetch, data_config, device)
-    return VerifierStates.load(verifier, data_config, device, feat_dtype)
+    if ex.backend == "sglang":
+        return ServerStates.connect(ex, s.train.online_prefetch, data_config, d.device)
+    return VerifierStates.load(s.verifier, data_config, d.device, feat_dtype)

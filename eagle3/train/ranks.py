@@ -91,12 +91,8 @@ def same_checkpoint(train_dir: Path, found: Optional[tuple], d: Dist) -> None:
 
 
 def any_rank(flag: bool, d: Dist) -> bool:
-    """True if ``flag`` is True on any rank (one CPU all-reduce on the control group)."""
-    if not d.distributed:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.ctrl_group)
-    return bool(t.item())
+    """True if ``flag`` is True on any rank (:func:`sum_ranks`)."""
+    return sum_ranks([float(flag)], d)[0] > 0
 
 
 def sum_ranks(values: list[float], d: Dist) -> list[float]:

@@ -4,7 +4,6 @@ lines, and an export's record of where its weights come from.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from pathlib import Path
@@ -17,7 +16,7 @@ from eagle3.drafter.draft_config import EXPORT_META_FILE
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_files, probe_dirs, read_json
 from eagle3.train.metrics import read_metrics
-from eagle3.train.sim_accept import BEST_FILE, markdown_lines
+from eagle3.train.sim_accept import BEST_FILE, markdown_lines, position_acceptance, step_png
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +51,19 @@ def earlier_segments(state: dict) -> list[dict]:
     step = int(state["step"])
     segs = state.get("segments")
     if not isinstance(segs, list):
-        return (
-            [segment_record(0, step, None, None, int(state.get("world_size", 1)), None)]
-            if step > 0
-            else []
-        )
-    out = []
-    for g in segs:
-        if isinstance(g, dict) and int(g.get("start_step", step)) < step:
-            out.append({**g, "end_step": min(int(g["end_step"]), step)})
-    return out
+        one = segment_record(0, step, None, None, int(state.get("world_size", 1)), None)
+        return [one] if step > 0 else []
+    segs = [g for g in segs if isinstance(g, dict) and int(g.get("start_step", step)) < step]
+    return [{**g, "end_step": min(int(g["end_step"]), step)} for g in segs]
 
 
 def state_source_switch(path: Path, earlier: list[dict], now: dict) -> Optional[str]:
     """The warning of a resume taking its states from another source than the checkpoint's last part (allowed: the same
     verifier's states up to storage rounding), else None.
     """
-    if not earlier or earlier[-1].get("hidden_states") is None:
+    last = earlier[-1] if earlier else {}
+    if last.get("hidden_states") is None:
         return None
-    last = earlier[-1]
 
     def name(g: dict) -> str:
         return g["hidden_states"] + (
@@ -128,7 +121,7 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
     and the export.
     """
     val = result.get("final_val") or {}
-    acc = [val[k] for k in _acc_keys(val)]
+    acc = position_acceptance(val)
     text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
     if result.get("stop_at") and not result.get("stopped"):
         text += f" (--stop-at {result['stop_at']}: the lr followed the {result['total_steps']}-step schedule)"
@@ -241,11 +234,8 @@ def record_export_only(
     report.pop("export_error", None)
     report["other_exports"] = _other_exports(report, train_dir, export_dir)
     report["export_dir"] = str(export_dir)
-    report["export_only"] = {
-        "checkpoint": str(checkpoint),
-        "weights_step": int(weights_step),
-        "engine": engine,
-    }
+    done = dict(checkpoint=str(checkpoint), weights_step=int(weights_step), engine=engine)
+    report["export_only"] = done
     try:  # a read-only train folder: the export stands
         probe_dirs(train_dir)
     except UserError as e:
@@ -333,14 +323,10 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     atomic_write_files(files)
 
 
-def _acc_keys(val: dict) -> list[str]:
-    return sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
-
-
 def _report_markdown(result: dict, args) -> str:
     """``train_report.md`` of :func:`write_report`."""
     val = result.get("final_val") or {}
-    acc_keys = _acc_keys(val)
+    acc = position_acceptance(val)
     lines = [
         "# Training report",
         "",
@@ -381,9 +367,9 @@ def _report_markdown(result: dict, args) -> str:
         lines.append(f"- peak GPU memory (tensors, rank 0): {result['peak_gpu_mem_gib']:.1f} GiB")
     if "loss" in val:
         lines.append(f"- final validation loss: {val['loss']:.4f}")
-    if acc_keys:
+    if acc:
         lines += ["", "| TTT step | val top-1 acc |", "|---:|---:|"]
-        lines += [f"| {k.split('_')[-1]} | {val[k]:.4f} |" for k in acc_keys]
+        lines += [f"| {i} | {a:.4f} |" for i, a in enumerate(acc)]
     if result.get("no_validation"):  # instead of an empty simulated-acceptance table
         lines += ["", f"Validation: {result['no_validation']}."]
     elif result.get("sim_accept"):
@@ -436,20 +422,7 @@ def _loss_png(rows: list[dict]) -> Optional[bytes]:
     va = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "val" and "loss" in r]
     if not tr:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(*zip(*tr), "-" if len(tr) > 1 else "o", label="train")  # one row: a dot
+    series = [(*zip(*tr), "-" if len(tr) > 1 else "o", {"label": "train"})]  # one row: a dot
     if va:
-        ax.plot(*zip(*va), "o-", label="val")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("TTT loss")
-    ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+        series.append((*zip(*va), "o-", {"label": "val"}))
+    return step_png("TTT loss", *series)

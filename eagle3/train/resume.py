@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from eagle3.errors import UserError
 from eagle3.process_group import Dist
@@ -28,13 +27,6 @@ from eagle3.train.report import (
 from eagle3.train.schedule import WarmupCosine, warmup_steps_for
 
 log = logging.getLogger(__name__)
-
-
-def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
-    """The ``requires_grad`` parameters, detached on CPU, by name."""
-    return {
-        n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad
-    }
 
 
 @dataclass
@@ -82,23 +74,16 @@ class RunRecord:
     warnings: list
 
 
-def horizon_after_resume(
-    order: TrainData,
-    state: dict,
-    d: Dist,
-    rec: RunRecord,
-    total_steps: int,
-    horizon: Optional[int],
-    scheduler,
-) -> int:
-    """The step horizon after a resume on another process count (the epoch's rest dealt to the new ranks; the LR
-    schedule re-stretched on every rank); the same process count: ``total_steps``.
+def horizon_after_resume(state: dict, d: Dist, rec: RunRecord, total_steps: int, data, opt) -> int:
+    """The step horizon after a resume on another process count (the rest of the epoch of ``data.order`` dealt to the
+    new ranks, capped at ``data.horizon``; ``opt.scheduler`` re-stretched on every rank); the same process count:
+    ``total_steps``.
     """
     if int(state.get("world_size", d.world)) == d.world:
         return total_steps
-    new = order.resumed_total_steps(rec.epochs, int(state["step"]))
-    if horizon is not None:
-        new = min(new, horizon)
+    new = data.order.resumed_total_steps(rec.epochs, int(state["step"]))
+    if data.horizon is not None:
+        new = min(new, data.horizon)
     # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
     if new != total_steps:
         if d.is_main:
@@ -108,7 +93,7 @@ def horizon_after_resume(
                 state.get("world_size"),
                 new,
             )
-        scheduler.lr_lambdas[0].__dict__.update(
+        opt.scheduler.lr_lambdas[0].__dict__.update(
             WarmupCosine(warmup_steps_for(new, rec.warmup_ratio), new).__dict__
         )
     return new
@@ -177,9 +162,7 @@ def restore(
     )
     pos.step, pos.epoch = int(state["step"]), int(state["epoch"])
     pos.step_in_epoch = data.order.step_from_checkpoint(state)
-    pos.total_steps = horizon_after_resume(
-        data.order, state, d, rec, pos.total_steps, data.horizon, opt.scheduler
-    )
+    pos.total_steps = horizon_after_resume(state, d, rec, pos.total_steps, data, opt)
     if pos.step > pos.total_steps:  # nothing to train, and the end step would be behind the weights
         raise UserError(
             f"{data.horizon_from}: the run ends after {pos.total_steps} optimizer steps, but the "
@@ -338,7 +321,7 @@ def save(pos: Any, rec: RunRecord, d: Dist, order: TrainData, opt: Any, inputs: 
             "epoch": pos.epoch,
             "steps_in_epoch": pos.step_in_epoch,
             "samples_in_epoch": order.samples_before(pos.epoch, pos.step_in_epoch),
-            "model": trainable_state(inputs.drafter),
+            "model": ckpt.trainable_state(inputs.drafter),
             "optimizer": opt.optimizer.state_dict(),
             "scheduler": opt.scheduler.state_dict(),
             "rng": rngs,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Sequence
@@ -170,17 +171,15 @@ def drafter_args_problem(saved: dict, current: dict) -> Optional[str]:
     )
 
 
-def global_batch(rec: ResumeRecord, world: int) -> int:
-    """Units per optimizer step: samples (``batch_size x grad_accum x processes``) or, under ``train.batch_tokens``,
-    token-budget batches (``grad_accum x processes``)."""
-    per = 1 if rec.train_batch_tokens is not None else int(rec.train_batch_size)
-    return per * int(rec.train_grad_accum) * int(world)
+def _split(rec: ResumeRecord, world: int) -> list[int]:
+    """The factors of the units per optimizer step: samples (``batch_size x grad_accum x processes``) or, under
+    ``train.batch_tokens``, token-budget batches (``grad_accum x processes``)."""
+    per = [] if rec.train_batch_tokens is not None else [int(rec.train_batch_size)]
+    return [*per, int(rec.train_grad_accum), int(world)]
 
 
 def _split_text(rec: ResumeRecord, world: int) -> str:
-    if rec.train_batch_tokens is not None:
-        return f"{rec.train_grad_accum} x {world}"
-    return f"{rec.train_batch_size} x {rec.train_grad_accum} x {world}"
+    return " x ".join(map(str, _split(rec, world)))
 
 
 def _kept_global_batch(found: ResumeRecord, now: ResumeRecord) -> Optional[tuple[int, int]]:
@@ -189,16 +188,15 @@ def _kept_global_batch(found: ResumeRecord, now: ResumeRecord) -> Optional[tuple
         return None
     if not {_name(k) for k in SPLIT_KEYS} <= found.model_fields_set:
         return None
-    return global_batch(found, found.world_size), global_batch(now, now.world_size)
+    return math.prod(_split(found, found.world_size)), math.prod(_split(now, now.world_size))
 
 
 def data_order_problem(found: ResumeRecord, now: ResumeRecord) -> Optional[str]:
     """What a resume refuses of the checkpoint's ``data_order`` (None: nothing).
 
-    The checkpoint's position is skipped in the epoch's batch order, a function of :data:`DATA_ORDER`. With both
-    process counts known, ``train.batch_size`` / ``train.grad_accum`` may change where the global batch
-    (:func:`global_batch`) stays the checkpoint's: a step consumes the next global batch of the epoch's order
-    whatever its split, and the loss does not depend on the split (DESIGN.md "Loss normalisation")."""
+    :data:`DATA_ORDER` fixes the epoch's batch order; with both process counts known, ``train.batch_size`` /
+    ``train.grad_accum`` may change where the global batch (:func:`_split`) stays the checkpoint's (the loss does
+    not depend on the split, DESIGN.md "Loss normalisation")."""
     keys = found.changed(now, sorted(DATA_ORDER))
     if not keys:
         return None

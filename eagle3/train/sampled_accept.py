@@ -19,6 +19,7 @@ from eagle3.data.dataset import loss_positions
 from eagle3.decoding.metrics import acceptance_probs
 from eagle3.decoding.sampling import processed_probs
 from eagle3.losses.rows import row_targets
+from eagle3.train.metrics import Accum
 
 #: the validation keys of the sampled acceptance (:meth:`SampledAcceptance.summarize`): ``sampled_acc_{j}``
 SAMPLED_KEY = "sampled_acc"
@@ -83,7 +84,7 @@ def sampled_acceptance_sums(
     return sums, counts
 
 
-class SampledAcceptance:
+class SampledAcceptance(Accum):
     """The held-out acceptance probability per TTT step at ``temperature`` (module docstring), summed over the
     validation batches without host syncs; :meth:`summarize` gives the ``sampled_acc_{j}`` keys.
 
@@ -94,15 +95,13 @@ class SampledAcceptance:
         ValueError: ``temperature <= 0`` (greedy selection needs no meter; a caller bug).
     """
 
+    KEYS = ("alpha_sum", "alpha_count")
+
     def __init__(self, ttt_length: int, temperature: float, top_p: float = 1.0):
         if not temperature > 0:
             raise ValueError(f"SampledAcceptance needs a temperature > 0, got {temperature}")
+        super().__init__(int(ttt_length))
         self.k, self.temperature, self.top_p = int(ttt_length), float(temperature), float(top_p)
-        self.sums = {
-            "alpha_sum": torch.zeros(self.k, dtype=torch.float64),
-            "alpha_count": torch.zeros(self.k, dtype=torch.float64),
-        }
-        self.n = 0
 
     def add(
         self,
@@ -121,13 +120,7 @@ class SampledAcceptance:
             drafter, hiddens, batch["last"], pos, lm_head_weight, self.temperature, self.top_p,
             norm_weight, norm_eps,
         )  # fmt: skip
-        self.n += 1
-        for key, v in (("alpha_sum", a), ("alpha_count", c)):
-            self.sums[key] = v.double() if self.n == 1 else self.sums[key] + v.double()
-
-    def totals(self) -> dict[str, torch.Tensor]:
-        """Raw sums (for :func:`eagle3.train.metrics.reduce_totals` over ranks) plus ``n`` (batches)."""
-        return dict(self.sums, n=torch.tensor(float(self.n)))
+        super().add({"alpha_sum": a, "alpha_count": c})  # totals(): the sums plus n (batches)
 
     @staticmethod
     def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -1,41 +1,30 @@
 """Best checkpoint by simulated acceptance length (``train.select_best: sim_accept``).
 
-Every validation of 04 (``train.eval_every`` optimizer steps, and at the end) gives the held-out
-top-1 agreement ``alpha_j`` of each TTT position ``j = 1..K`` (``acc_{j-1}`` of the validation
-row: correct / counted positions of the whole validation split, token-weighted). In TTT the step-j
-input tokens are the verifier's own tokens (the regenerated answer) and the hidden inputs are the
-drafter's own earlier outputs, so ``alpha_j`` estimates P(draft j accepted | drafts 1..j-1 accepted)
-of greedy chain decoding, and the expected number of tokens one verify step emits with a chain of
-``k`` drafts is
+Every validation of 04 (``train.eval_every`` optimizer steps, and at the end) gives the held-out top-1 agreement
+``alpha_j`` of each TTT position ``j = 1..K`` (``acc_{j-1}`` of the validation row, token-weighted), an estimate of
+P(draft j accepted | drafts 1..j-1 accepted) of greedy chain decoding; one verify step with a chain of ``k`` drafts
+then emits on average
 
     tau_sim(k) = 1 + sum_{m=1..k} prod_{j=1..m} alpha_j
 
-(the 1 is the verifier's bonus token; 05 reports tau the same way: emitted tokens per verify step,
-DESIGN.md "Acceptance counts emitted tokens only"). Source: TorchSpec ``eagle3_trainer.py``
-(``simulated_acc_len = acc_0 + acc_0*acc_1 + ...``, best checkpoint by ``eval/simulated_acc_len``,
-``controller/eval.py``) and SpecForge ``specforge/eval/evaluator.py`` (``_simulated_acc_len``,
-token-weighted per-position accuracy, ``best_metric: eval/simulated_acc_len``); both sum over every
-TTT position and leave out the bonus token, so their figure is ``tau_sim(K) - 1``. Here the chain
-length is ``train.select_chain`` (default ``benchmark.steps``, the chain 05 measures), capped at ``train.ttt_length``
-(:func:`effective_chain`: no ``alpha_j`` exists past it). Bias:
-positions whose verifier argmax is outside the draft vocab are not counted (DESIGN.md "TTT
-indexing"), so with a small draft vocab ``alpha_j`` is slightly optimistic.
+tokens (the 1 is the verifier's bonus token, as 05 counts tau: DESIGN.md "Acceptance counts emitted tokens only").
+TorchSpec ``eagle3_trainer.py`` and SpecForge ``specforge/eval/evaluator.py`` (``simulated_acc_len``) report
+``tau_sim(K) - 1``. ``k`` is ``train.select_chain`` (default ``benchmark.steps``) capped at ``train.ttt_length``
+(:func:`effective_chain`). Positions whose verifier argmax is outside the draft vocab are not counted, so with a
+small draft vocab ``alpha_j`` is slightly optimistic.
 
-:class:`BestTracker` keeps the curve (``{train_dir}/sim_accept.json``: one row per validation) and
-the weights of the best validation so far (``{train_dir}/best_drafter.pt``: the trainable tensors,
-written atomically); the run exports those weights when ``select_best`` is ``sim_accept``. A resumed
-run drops the rows after its checkpoint's step (they are recomputed) but keeps the saved best even when
-it was taken after that step (a hard kill between a validation and the next checkpoint): that row is
-marked ``before_resume: true`` and stays the best until a validation of the resumed run beats it, so the
-export is never worse than a validation the killed run had already scored.
+:class:`BestTracker` keeps the curve (``{train_dir}/sim_accept.json``: one row per validation) and the weights of the
+best validation so far (``{train_dir}/best_drafter.pt``: the trainable tensors, written atomically); the run exports
+those under ``select_best: sim_accept``. A resume drops the rows after its checkpoint's step but keeps a saved best
+taken after it (marked ``before_resume: true``) until a validation of the resumed run beats it.
 
-At ``train.select_temperature`` T > 0 (the temperature the drafter will be served at) ``alpha_j`` is instead
-the expected acceptance of speculative rejection sampling (:mod:`eagle3.train.sampled_accept`); the curve records
-the temperature and a resume at another one is refused.
+At ``train.select_temperature`` T > 0 ``alpha_j`` is the expected acceptance of speculative rejection sampling
+(:mod:`eagle3.train.sampled_accept`); the curve records the temperature and a resume at another one is refused.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -44,8 +33,9 @@ import torch
 from torch import nn
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, read_json
+from eagle3.io import atomic_torch_save, atomic_write_bytes, atomic_write_json, read_json
 from eagle3.io.read import safe_torch_load
+from eagle3.train import checkpoint as ckpt
 from eagle3.train.sampled_accept import SAMPLED_KEY, SampledAcceptance
 
 log = logging.getLogger(__name__)
@@ -146,9 +136,8 @@ class BestTracker:
         self.enabled = enabled
         self.keep_best = keep_best
         self.rows: list[dict] = []
-        self.best: Optional[dict] = (
-            None  # the best row, when its weights are on disk (or not needed)
-        )
+        # the best row, when its weights are on disk (or not needed)
+        self.best: Optional[dict] = None
         if enabled:
             self._load(start_step)
 
@@ -187,9 +176,8 @@ class BestTracker:
             )
         self.rows = [self._score(r) for r in old["rows"] if int(r["step"]) <= start_step]
         best = old.get("best")
-        if (
-            self.keep_best and best_path.is_file()
-        ):  # written first: newer than the curve after a kill between the two
+        # the best file is written first: newer than the curve after a kill between the two
+        if self.keep_best and best_path.is_file():
             best = _best_file_row(best_path, best)
         if self._keep(path, best, start_step):
             self.best = self._score(dict(best))
@@ -207,17 +195,12 @@ class BestTracker:
                 )
         else:
             best_path.unlink(missing_ok=True)
-            self.best = (
-                max(self.rows, key=lambda r: r["tau_sim"])
-                if (self.rows and not self.keep_best)
-                else None
-            )
+            rows = [] if self.keep_best else self.rows  # sim_accept: no weights, no best
+            self.best = max(rows, key=lambda r: r["tau_sim"], default=None)
 
     def _keep(self, path: Path, best: Optional[dict], start_step: int) -> bool:
-        """Whether the recorded ``best`` stays the best on a resume. Under sim_accept it stays while its weights are
-        on disk, also one taken after the checkpoint resumed from (a hard kill between a validation and the next
-        checkpoint: a rerun that is not bit-deterministic may validate that step worse, and its weights are real
-        weights of this training); never when it comes after this run's end (``--stop-at`` / a step cap lowered)."""
+        """Whether the recorded ``best`` stays the best on a resume: under sim_accept while its weights are on disk,
+        also when taken after the checkpoint resumed from; else when not after it; never after this run's end."""
         keep = best is not None and (
             (self.dir / BEST_FILE).is_file() if self.keep_best else int(best["step"]) <= start_step
         )
@@ -274,34 +257,15 @@ class BestTracker:
         }
         self.rows = [r for r in self.rows if r["step"] != row["step"]] + [row]
         old = self.best
-        # a best kept from before a resume is replaced by the same step's validation measured again at least as high
-        # (a deterministic rerun): the weights are then this run's
-        is_best = (
-            old is None
-            or row["tau_sim"] > old["tau_sim"]
-            or (
-                bool(old.get("before_resume"))
-                and old["step"] == row["step"]
-                and row["tau_sim"] >= old["tau_sim"]
-            )
-        )
+        is_best = old is None or row["tau_sim"] > old["tau_sim"]
+        if old is not None and old.get("before_resume") and old["step"] == row["step"]:
+            # the same step measured again at least as high (a deterministic rerun): the weights are this run's
+            is_best = row["tau_sim"] >= old["tau_sim"]
         if is_best:
             if self.keep_best:
-                state = {
-                    n: p.detach().to("cpu").clone()
-                    for n, p in drafter.named_parameters()
-                    if p.requires_grad
-                }
-                atomic_torch_save(
-                    {
-                        "step": int(step),
-                        "tau_sim": row["tau_sim"],
-                        "chain": self.chain,
-                        "row": row,
-                        "model": state,
-                    },
-                    self.dir / BEST_FILE,
-                )
+                state = dict(step=int(step), tau_sim=row["tau_sim"], chain=self.chain, row=row)
+                state["model"] = ckpt.trainable_state(drafter)
+                atomic_torch_save(state, self.dir / BEST_FILE)
             self.best = dict(row)
         atomic_write_json(self.dir / CURVE_FILE, self.summary())
         return is_best
@@ -344,26 +308,37 @@ class BestTracker:
         """``sim_accept.png``: tau_sim(chain) per validation step, the best one marked."""
         if not self.enabled or not self.rows:
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         rows = sorted(self.rows, key=lambda r: r["step"])
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(
-            [r["step"] for r in rows],
-            [r["tau_sim"] for r in rows],
-            "o-",
-            label=f"tau_sim({self.chain})",
-        )
-        if self.best is not None:
-            ax.plot([self.best["step"]], [self.best["tau_sim"]], "r*", markersize=14, label="best")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("simulated acceptance length (validation)")
-        ax.legend()
-        fig.tight_layout()
-        atomic_save_png(fig, self.dir / PLOT_FILE)
+        xy = ([r["step"] for r in rows], [r["tau_sim"] for r in rows])
+        series = [(*xy, "o-", {"label": f"tau_sim({self.chain})"})]
+        best = self.best
+        if best is not None:
+            series.append(
+                ([best["step"]], [best["tau_sim"]], "r*", dict(markersize=14, label="best"))
+            )
+        png = step_png("simulated acceptance length (validation)", *series)
+        atomic_write_bytes(self.dir / PLOT_FILE, png)
+
+
+def step_png(ylabel: str, *series: tuple) -> bytes:
+    """PNG bytes of a 6 x 4 in. figure (Agg) of ``(steps, values, fmt, plot kwargs)`` series over optimizer steps,
+    with axis labels and a legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for x, y, fmt, kw in series:
+        ax.plot(x, y, fmt, **kw)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
 
 
 def _best_file_row(path: Path, curve_best: Optional[dict]) -> Optional[dict]:
@@ -416,62 +391,40 @@ def _best_problem(
     path: Path, params: dict[str, torch.Tensor], curve: Optional[Path]
 ) -> tuple[Any, Optional[str]]:
     """``(state, why it cannot be loaded)`` of the best file ``path`` for the drafter of ``params``: unreadable
-    (:func:`eagle3.io.read.safe_torch_load`'s line), key missing or a tensor that does not fit
-    (:func:`_best_state_problem`), or (``curve`` given) another step than the one ``curve`` names as the best;
-    ``why`` None when it loads."""
+    (:func:`eagle3.io.read.safe_torch_load`'s line), key ``step`` / ``model`` missing, a tensor the drafter has not
+    or of another shape (named), or (``curve`` given) another step than the one ``curve`` names as the best; ``why``
+    None when it loads."""
     try:
         state = safe_torch_load(path)
     except UserError as e:
         return None, str(e)
-    problem = _best_state_problem(state, params)
-    if problem or curve is None:
-        return state, problem and f"{path}: {problem}"
-    step = int(state["step"])
-    summary = read_json(curve) if curve.is_file() else None
+    missing = [k for k in ("step", "model") if not isinstance(state, dict) or k not in state]
+    if missing:
+        return state, f"{path}: key '{missing[0]}' missing"
+    misfit = [n for n, t in state["model"].items() if n not in params or params[n].shape != t.shape]
+    if misfit:
+        return state, f"{path}: tensor '{misfit[0]}' does not fit the drafter"
+    summary = read_json(curve) if curve is not None and curve.is_file() else None
     best = summary.get("best") if isinstance(summary, dict) else None
-    if isinstance(
-        best, dict
-    ):  # a kill between the file and the curve: the file's own row is the newer best
-        best = _best_file_row(path, best)
-    if isinstance(best, dict) and int(best.get("step", -1)) != step:
+    # a kill between the file and the curve: the file's own row is the newer best
+    best = _best_file_row(path, best) if isinstance(best, dict) else None
+    step = int(state["step"])
+    if best is not None and int(best.get("step", -1)) != step:
         return state, (
-            f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the best"
+            f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the "
+            "best"
         )
     return state, None
-
-
-def _best_state_problem(state: Any, params: dict[str, torch.Tensor]) -> Optional[str]:
-    """What keeps a best file's ``state`` from loading into the drafter of ``params``: key ``step`` / ``model``
-    missing, or a tensor the drafter has not or of another shape (named); None when it loads."""
-    missing = next(
-        (k for k in ("step", "model") if not isinstance(state, dict) or k not in state), None
-    )
-    if missing:
-        return f"key '{missing}' missing"
-    misfit = (
-        n
-        for n, t in state["model"].items()
-        if n not in params or tuple(params[n].shape) != tuple(t.shape)
-    )
-    name = next(misfit, None)
-    return None if name is None else f"tensor '{name}' does not fit the drafter"
 
 
 def load_best_for_export(
     train_dir: Path, drafter: nn.Module, ckpt_step: int
 ) -> tuple[Optional[int], Optional[str]]:
     """``04 --export-only`` under ``train.select_best: sim_accept``: the weights the finished training exported, read
-    without changing anything in ``train_dir`` (unlike :class:`BestTracker`, which resets the curve and the best file
-    for the step a training run restarts from).
-
-    A careful user re-exporting a run (e.g. for the other engine) expects the same weights as the training's own
-    export, whatever checkpoint supplied the drafter's shape, and never a silent switch to other weights. So:
-    ``best_drafter.pt`` present -> its tensors are loaded into ``drafter``; it must load, fit, and be the step
-    ``sim_accept.json`` names as the best, or record its own row (key ``row``: a run killed between the file and the
-    curve, which a resume takes as the best, :func:`_best_file_row`), else a one-line UserError: nothing is exported.
-    Absent (the run was
-    trained with ``select_best: last``, had no validation split, or never validated) -> ``drafter`` keeps the
-    checkpoint's weights and a warning line says so.
+    without changing anything in ``train_dir`` (unlike :class:`BestTracker`), whatever checkpoint gave the shape.
+    ``best_drafter.pt`` present: its tensors are loaded into ``drafter``; it must load, fit, and be the step
+    ``sim_accept.json`` names as the best or record its own row (:func:`_best_file_row`). Absent (``select_best:
+    last``, no validation split, or never validated): ``drafter`` keeps the checkpoint's weights, with a warning.
 
     Args:
         train_dir: the run's ``train.output_dir``.
@@ -518,9 +471,7 @@ def markdown_lines(summary: dict) -> list[str]:
         )
     else:
         what = "the last"
-    if not summary.get(
-        "rows"
-    ):  # stopped before the first validation: one line, not a table without rows
+    if not summary.get("rows"):  # stopped before the first validation: one line, no empty table
         return [
             f"Simulated acceptance length on the validation split, tau_sim({k}): not measured (no validation ran "
             f"before the run stopped; select_best: {sel}; exported step: {what})."
@@ -541,17 +492,11 @@ def markdown_lines(summary: dict) -> list[str]:
         + "val loss |",
         "|---:|---:|" + "---:|" * (k + 1),
     ]
-    for r in sorted(
-        summary.get("rows") or [], key=lambda r: r["step"]
-    ):  # alpha_1..alpha_k: the ones tau_sim(k) uses
-        a = "".join(f"{x:.4f} | " for x in list(r["alpha"])[:k]) + "- | " * max(
-            0, k - len(r["alpha"])
-        )
-        mark = (
-            " (best)"
-            if best and r["step"] == best.get("step") and not best.get("before_resume")
-            else ""
-        )
+    shown = best.get("step") if not best.get("before_resume") else None  # marked (best)
+    for r in sorted(summary["rows"], key=lambda r: r["step"]):
+        # alpha_1..alpha_k: the ones tau_sim(k) uses
+        a = "".join(f"{x:.4f} | " for x in list(r["alpha"])[:k]) + "- | " * (k - len(r["alpha"]))
+        mark = " (best)" if r["step"] == shown else ""
         loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "-"
         lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | {a}{loss} |")
     if best.get("before_resume"):

@@ -15,6 +15,7 @@ from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.manifest import DrafterManifest
 from eagle3.train import checkpoint as ckpt
+from eagle3.train import resume_checks
 from eagle3.verifier.head import TargetHead
 
 log = logging.getLogger(__name__)
@@ -152,22 +153,18 @@ WARM_START_SHAPE = (
 
 def check_init_from(init_from: Optional[str], drafter: dict, config_keys: Collection[str]) -> bool:
     """The warm-start checks made before anything is written: ``init_from`` (``train.init_from``) is an export folder
-    (``config.json`` + ``model.safetensors``) and its recorded ``drafter_args``
-    (:class:`eagle3.manifest.DrafterManifest`; absent ``variant`` / ``num_layers`` / ``attention``: the DrafterArgs
-    defaults; no ``drafter_args``: an export of another tool) hold the shape fields of ``drafter``
-    (:data:`WARM_START_SHAPE` field -> this run's value; None: not known yet; an MLA drafter's ``num_key_value_heads``
-    / ``head_dim`` are derived from its sizes, not compared). A field not compared here is left to
-    :func:`warm_start`'s tensor-by-tensor check.
+    (``config.json`` + ``model.safetensors``) whose recorded ``drafter_args`` (:class:`eagle3.manifest.DrafterManifest`;
+    absent ``variant`` / ``num_layers`` / ``attention``: the DrafterArgs defaults; none: an export of another tool, not
+    compared) hold ``drafter``'s values (:data:`WARM_START_SHAPE` field -> this run's value, None: not known yet; an MLA
+    drafter's ``num_key_value_heads`` / ``head_dim`` are not compared). The rest is :func:`warm_start`'s to check.
 
     Returns:
         whether a warm start is configured (``init_from`` set).
 
     Raises:
         UserError: the folder missing or not an export (:func:`init_from_not_a_folder`, or ``... is not an exported
-            drafter folder (no config.json; ...)``); a malformed metadata file
-            (:meth:`eagle3.manifest.DrafterManifest.of_folder`); the first differing field, named ``drafter.<field>``
-            when one of ``config_keys``, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with num_layers
-            1, this run trains 2 (drafter.num_layers)``.
+            drafter folder (no config.json; ...)``); a malformed metadata file; the first differing field, named
+            ``drafter.<field>`` when one of ``config_keys``, else ``from the verifier and its shards``.
     """
     if not init_from:
         return False
@@ -183,7 +180,7 @@ def _init_from_problem(
     """:func:`check_init_from`'s refusal of ``init_from``, or None."""
     path = Path(init_from)
     if not path.is_dir():
-        return _not_a_folder(path)
+        return str(init_from_not_a_folder(path))
     missing = next(
         (n for n in ("config.json", "model.safetensors") if not (path / n).is_file()), None
     )
@@ -213,20 +210,17 @@ def _init_from_problem(
 def init_from_not_a_folder(path: Path) -> UserError:
     """The error for a ``train.init_from`` that is no folder: missing, or a file (a checkpoint ``step_*.pt`` or a
     ``model.safetensors`` given for its folder)."""
-    return UserError(_not_a_folder(path))
-
-
-def _not_a_folder(path: Path) -> str:
-    """:func:`init_from_not_a_folder`'s line."""
     if not path.exists():
-        return f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)"
+        return UserError(
+            f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)"
+        )
     hint = (
         " (a checkpoint: export it with 04_train.py --export-only, or continue its run with --resume and its "
         "train.output_dir)"
         if path.suffix == ".pt"
         else ""
     )
-    return (
+    return UserError(
         f"train.init_from: '{path}' is a file, not an exported drafter folder; give the folder "
         f"(04's drafter-sglang or drafter-vllm){hint}"
     )
@@ -238,16 +232,10 @@ def warm_start_planned(
     is_main: bool,
     resume: bool,
     args,
-    config_keys: Collection[str],
 ) -> bool:
     """Whether this call warm-starts from ``init_from`` (``train.init_from``): set, and no ``--resume`` checkpoint in
-    ``train_dir`` to continue (that one holds the run's weights, the warm start's included). Checks, before anything
-    is written, that the folder looks like an export (``config.json`` + ``model.safetensors``) and that the export's
-    recorded drafter shape is this run's ``args``' (:func:`check_init_from`).
-
-    Raises:
-        UserError: ``train.init_from: folder ... not found`` / ``... is not an exported drafter folder`` / a shape
-            field that differs.
+    ``train_dir`` to continue (it holds the run's weights, the warm start's included); checked against ``args`` first
+    (:func:`check_init_from`, whose UserErrors it raises).
     """
     if not init_from:
         return False
@@ -258,5 +246,5 @@ def warm_start_planned(
                 init_from,
             )
         return False
-    mine = {} if args is None else {key: getattr(args, key) for key in WARM_START_SHAPE}
-    return check_init_from(init_from, mine, config_keys)
+    mine = {key: getattr(args, key) for key in WARM_START_SHAPE}
+    return check_init_from(init_from, mine, resume_checks.DRAFTER_CONFIG_KEYS)
