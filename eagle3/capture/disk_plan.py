@@ -107,6 +107,29 @@ def _round_up(n: int | float, block: int) -> int:
     return -(-int(round(n)) // block) * block
 
 
+def _block_size(where: Path) -> int:
+    """The filesystem's allocation unit at ``where`` in bytes (4096 where statvfs cannot tell)."""
+    try:
+        st = os.statvfs(where)
+        return int(st.f_frsize or st.f_bsize or 4096)
+    except (OSError, AttributeError):
+        return 4096
+
+
+def _manifest_bytes(pending: Sequence[tuple[str, int]], pending_idx: Sequence[int]) -> int:
+    """Bytes of the manifest rows of ``pending`` as ManifestWriter writes them (checksum included), a line each."""
+    checksum = "0" * HEX_LEN[DEFAULT_ALGO]
+    return sum(
+        len(
+            json.dumps(
+                {"idx": i, "id": sid, "num_tokens": n, "num_loss_tokens": n, DEFAULT_ALGO: checksum}
+            )
+        )
+        + 1
+        for i, (sid, n) in zip(pending_idx, pending)
+    )
+
+
 def plan_disk(
     root: str | os.PathLike,
     pending: Sequence[tuple[str, int]],
@@ -135,24 +158,10 @@ def plan_disk(
     overhead, per_token = shard_size_model(hidden_size, encode)
     free_b, where = free if free is not None else free_bytes(root)
     free_b += freed_by_overwrite
-    try:  # the filesystem's allocation unit
-        st = os.statvfs(where)
-        block = int(st.f_frsize or st.f_bsize or 4096)
-    except (OSError, AttributeError):
-        block = 4096
+    block = _block_size(where)
     sizes = [overhead + per_token * n for _, n in pending]
     shard_bytes = sum(int(round(x)) for x in sizes)
-    # the manifest rows as ManifestWriter writes them (checksum included), one line each
-    checksum = "0" * HEX_LEN[DEFAULT_ALGO]
-    man = sum(
-        len(
-            json.dumps(
-                {"idx": i, "id": sid, "num_tokens": n, "num_loss_tokens": n, DEFAULT_ALGO: checksum}
-            )
-        )
-        + 1
-        for i, (sid, n) in zip(pending_idx, pending)
-    )
+    man = _manifest_bytes(pending, pending_idx)
     # the skipped id lists go into data_config.json and the report
     files = FIXED_METADATA_BYTES + 2 * len(json.dumps(skipped_ids or {}))
     new_dirs = {i // rows_per_dir for i in pending_idx}  # one block per new rows_* folder

@@ -112,8 +112,7 @@ def capture_and_write(
                 if s.idx not in done:
                     writer.submit(s.idx, s.id, s.input_ids, None, s.loss_mask)
             return rows
-        # The whole planned batch is captured (even finished members) so padded shapes match an
-        # uninterrupted run exactly; only unfinished samples are written.
+        # every member is captured (padded shapes as uninterrupted); only unfinished ones are written
         _feed(
             batches,
             lambda group: start_capture(backend, [samples[i].input_ids for i in group], storage),

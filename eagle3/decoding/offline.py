@@ -44,8 +44,7 @@ def bench_prompts(
         verifier, drafter: see :func:`eagle3.decoding.decode.speculative_generate_batch`.
         prompts_ids: ``(id, prompt ids)`` pairs.
         aux_layers, steps, max_new_tokens, eos_ids: decoding settings.
-        label, batch_size: dataset label; prompts decoded together.
-        tie_tolerance: largest logit gap counted as a near-tie.
+        label, batch_size, tie_tolerance: the set's name; prompts a batch; the near-tie logit gap.
         decoder: ``batched`` | ``static`` | ``auto`` (:func:`resolve_decoder`).
         temperature, top_p: 0 = greedy; > 0 = sampling with a freshly seeded sampler.
         rejection_sample_method: ``standard`` | ``block`` at temperature > 0 (:mod:`eagle3.decoding.sampling`).
@@ -58,26 +57,24 @@ def bench_prompts(
     """
     sampler = make_sampler(temperature, top_p, method=rejection_sample_method)
     device = next(verifier.parameters()).device
-    mode = resolve_decoder(
-        decoder, batch_size, device, None if sampler is None else sampler.temperature
-    )
+    mode = resolve_decoder(decoder, batch_size, device, getattr(sampler, "temperature", None))
     effective = effective_batch_size(batch_size, len(prompts_ids))
     settings = (aux_layers, steps, max_new_tokens, eos_ids)
     static, warm_s = None, 0.0
     if mode == "static":
         static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], settings)
     t_wall = time.perf_counter()
-    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {effective}, {mode})",
-               unit="prompt", disable=not progress)  # fmt: skip
     models = (verifier, drafter, sampler)
-    try:
-        tally = _decode_all(static, models, prompts_ids, settings, batch_size, tie_tolerance, bar)
-    finally:
-        if static is not None:
-            static.close()
-    bar.close()
-    wall = time.perf_counter() - t_wall
-    row = tally.summary(label, effective, steps, wall, tie_tolerance)
+    with tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {effective}, {mode})",
+              unit="prompt", disable=not progress) as bar:  # fmt: skip
+        try:
+            tally = _decode_all(
+                static, models, prompts_ids, settings, batch_size, tie_tolerance, bar
+            )
+        finally:
+            if static is not None:
+                static.close()
+    row = tally.summary(label, effective, steps, time.perf_counter() - t_wall, tie_tolerance)
     row.update(decoder=mode, warm_up_seconds=warm_s, temperature=temperature, top_p=top_p)
     if temperature > 0:
         row["rejection_sample_method"] = rejection_sample_method
