@@ -155,6 +155,21 @@ def torchrun_env() -> tuple[int, int, int]:
     return world, rank, local_rank
 
 
+def rank_cuda_device(local_rank: int) -> str:
+    """``cuda:{local_rank}``: the GPU of one torchrun rank per GPU (stages 01, 02 and 04).
+
+    Raises:
+        UserError: ``local_rank`` names no GPU of this machine (more ranks than GPUs).
+    """
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise UserError(
+            f"LOCAL_RANK={local_rank}: this machine has {n} GPU(s), one rank per GPU; "
+            f"start torchrun with --nproc_per_node {n} or fewer"
+        )
+    return f"cuda:{local_rank}"
+
+
 def init_dist(
     backend: str = "gloo",
     timeout: Optional[datetime.timedelta] = None,

@@ -52,7 +52,7 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_text, make_dirs, remove_stale_tmp
 from eagle3.io.read import file_sha256
-from eagle3.process_group import Dist, init_dist, process_group_scope
+from eagle3.process_group import Dist, init_dist, process_group_scope, rank_cuda_device
 from eagle3.regen.report import limit_drops_self_instruct
 from eagle3.shards.data_config import write_data_config
 from eagle3.shards.format import DATA_CONFIG, TOKEN_BYTES_PER_TOKEN
@@ -184,7 +184,7 @@ def _lock(cfg: RunConfig, root: Path, backend, d: Dist, stack: contextlib.ExitSt
     dev = str(cfg.verifier.device)
     if d.world > 1 and (dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())):
         cfg = cfg.model_copy(deep=True)
-        cfg.verifier.device = f"cuda:{d.local_rank}"
+        cfg.verifier.device = rank_cuda_device(d.local_rank)
         torch.cuda.set_device(d.local_rank)
     return cfg
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from eagle3.process_group import Dist, init_dist, torchrun_env
+from eagle3.process_group import Dist, init_dist, rank_cuda_device, torchrun_env
 from eagle3.train import checkpoint as ckpt
 
 
@@ -23,7 +23,7 @@ def init_distributed(device: Optional[str] = None) -> Dist:
     """
     _, _, local_rank = torchrun_env()
     use_cuda = torch.cuda.is_available() and device != "cpu"
-    dev = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    dev = torch.device(rank_cuda_device(local_rank) if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
     return init_dist(backend="nccl" if use_cuda else "gloo", device=dev, job="stage 04")

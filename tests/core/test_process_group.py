@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from _paths import child_env, pythonpath
 
@@ -49,6 +50,21 @@ def test_require_agreement_names_the_first_replica_that_differs_and_reads_no_fur
     assert str(e.value) == "#2: b != a" and read == ["a", "a", "b"]
     process_group.require_agreement(iter([1, 1, 1]), lambda *a: "never")
     process_group.Dist().agree({"x": 1}, lambda *a: "never")  # a world of 1: nothing to compare
+
+
+def test_a_rank_past_the_machine_s_gpus_is_refused_in_one_line(monkeypatch):
+    """Two torchrun ranks on a one-GPU machine: rank 1 would ask for ``cuda:1`` (CUDA's "invalid device ordinal"
+    traceback); it is refused naming LOCAL_RANK and the torchrun flag, and the ranks that fit get their GPU."""
+    from eagle3.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert process_group.rank_cuda_device(0) == "cuda:0"
+    with pytest.raises(UserError) as e:
+        process_group.rank_cuda_device(1)
+    assert str(e.value) == (
+        "LOCAL_RANK=1: this machine has 1 GPU(s), one rank per GPU; "
+        "start torchrun with --nproc_per_node 1 or fewer"
+    )
 
 
 def test_close_waits_at_the_barrier_then_destroys_then_collects(calls):
