@@ -89,11 +89,7 @@ class ResumeLog:
         """
         if not self.path.is_file():
             return {}
-        rows, torn = read_append_log(
-            self.path,
-            lambda r: isinstance(r, dict),
-            "malformed line in the regeneration resume log",
-        )
+        rows, torn = _read_log(self.path)
         done: dict[int, dict] = {}
         for j, (n, row, _) in enumerate(rows):
             foreign = self._foreign_line(j, n, row, conversations)
@@ -145,14 +141,8 @@ class ResumeLog:
     def open(self) -> None:
         """Open for appending; a new log gets its settings line first (written atomically)."""
         if not self.path.is_file():
-            atomic_write_text(
-                self.path,
-                json.dumps(
-                    {"settings": self.settings, "answer_fields": list(ANSWER_FIELDS)},
-                    ensure_ascii=False,
-                )
-                + "\n",
-            )
+            header = {"settings": self.settings, "answer_fields": list(ANSWER_FIELDS)}
+            atomic_write_text(self.path, json.dumps(header, ensure_ascii=False) + "\n")
         self._f = open(self.path, "a", encoding="utf-8")
 
     def append(self, idx: int, conv: dict) -> None:
@@ -187,6 +177,13 @@ class ResumeLog:
         self.path.unlink(missing_ok=True)
 
 
+def _read_log(path: Path) -> tuple[list, bool]:
+    """:func:`eagle3.shards.manifest.read_append_log` of a resume log: ``(rows, torn)``, each row a dict."""
+    return read_append_log(
+        path, lambda r: isinstance(r, dict), "malformed line in the regeneration resume log"
+    )
+
+
 def logged_positions(paths: list[Path]) -> set[int]:
     """Distinct conversation positions the logs ``paths`` hold (torn last line not counted).
 
@@ -195,9 +192,7 @@ def logged_positions(paths: list[Path]) -> set[int]:
     """
     seen: set[int] = set()
     for p in paths:
-        rows, _torn = read_append_log(
-            p, lambda r: isinstance(r, dict), "malformed line in the regeneration resume log"
-        )
+        rows, _torn = _read_log(p)
         seen.update(row["idx"] for _, row, _ in rows if isinstance(row.get("idx"), int))
     return seen
 
