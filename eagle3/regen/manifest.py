@@ -30,9 +30,8 @@ def _had_failures(report: dict) -> bool:
     return bool((report.get("regeneration") or {}).get("failed"))
 
 
-SOURCE_STATS = (
-    "source_stats"  # prompts_report.json key: {resolved source path: {bytes, mtime_ns, sha256}}
-)
+# prompts_report.json key: {resolved source path: {bytes, mtime_ns, sha256}}
+SOURCE_STATS = "source_stats"
 
 
 def source_fingerprint(
