@@ -119,15 +119,12 @@ def select_queries(
     for text, done in zip(texts, ended):
         q = text.strip()
         key = dedupe_key({"messages": [{"role": "user", "content": q}]})
-        why = (
-            "truncated"
-            if not done
-            else "too_short"
-            if len(q) < min_chars
-            else "duplicate"
-            if key in seen
-            else "kept"
+        failed = (
+            ("truncated", not done),
+            ("too_short", len(q) < min_chars),
+            ("duplicate", key in seen),
         )
+        why = next((w for w, bad in failed if bad), "kept")
         counts[why] += 1
         if why == "kept":
             seen.add(key)
@@ -272,7 +269,7 @@ def make(
         return False
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
-    queries, counts, secs, tokens = _sample_with(verifier, tok, st, seen)
+    queries, counts, secs, tokens = _sample_all(verifier, tok, st, seen)
     if not queries:
         raise nothing_kept(num, counts, max_query_tokens, min_chars, names)
     write_queries(out, queries)
@@ -290,17 +287,6 @@ def _must_sample(out: Path, st: SelfInstructSettings, force: bool) -> bool:
     if force:
         report_path(out).unlink(missing_ok=True)
     return True
-
-
-def _sample_with(
-    verifier, tok, st: SelfInstructSettings, seen: set
-) -> tuple[list, dict, float, int]:
-    """:func:`_sample_all` with the verifier loaded for it and freed after (before 01 loads its own to answer)."""
-    model, _ = load_verifier(verifier)
-    try:
-        return _sample_all(model, tok, st, stop_token_ids(tok), seen)
-    finally:
-        del model
 
 
 def _summary(st: SelfInstructSettings, counts: dict, secs: float) -> str:
@@ -433,10 +419,8 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
         rec = read_json(rp)
     except UserError:
         return False
-    want, got = (
-        json.loads(json.dumps(asdict(st))),
-        rec.get("settings") if isinstance(rec, dict) else None,
-    )
+    want = json.loads(json.dumps(asdict(st)))
+    got = rec.get("settings") if isinstance(rec, dict) else None
     if isinstance(got, dict) and not weights_differ(
         got.get("verifier_weights"), want["verifier_weights"]
     ):
@@ -445,9 +429,13 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
     return got == want
 
 
-def _sample_all(model, tok, st: SelfInstructSettings, stop_ids: set[int], seen: set):
-    """Sample ``st.num`` queries in batches (tqdm), filter as they come. Returns ``(queries, counts, seconds,
-    sampled tokens)``."""
+def _sample_all(
+    verifier, tok, st: SelfInstructSettings, seen: set
+) -> tuple[list, dict, float, int]:
+    """Sample ``st.num`` queries in batches (tqdm) with the verifier loaded here and freed after (before 01 loads its
+    own to answer), filter as they come. Returns ``(queries, counts, seconds, sampled tokens)``."""
+    model, _ = load_verifier(verifier)
+    stop_ids = stop_token_ids(tok)
     prefix_ids = tok(st.prefix, add_special_tokens=False)["input_ids"]
     queries, counts, tokens = [], {"truncated": 0, "too_short": 0, "duplicate": 0, "kept": 0}, 0
     t0 = time.perf_counter()
