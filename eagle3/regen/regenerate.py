@@ -175,7 +175,8 @@ class _Run:
         self.dropped: set[int] = set()
         self.done = [0] * len(self.state)  # answered turns per conversation
         self.ready: dict[int, tuple[list[int], str]] = {}
-        self.pending_log: list[int] = []  # finished conversations not yet in the resume log
+        # final conversations (every turn answered, or cut by the context cap after turn 1) not yet in the resume log
+        self.pending_log: list[int] = []
 
     def result(self, i: int) -> dict:
         """Conversation i as returned: its id, the messages so far (regenerated answers), its tools."""
@@ -185,11 +186,6 @@ class _Run:
             "messages": self.state[i][0],
             **({"tools": c["tools"]} if c.get("tools") else {}),
         }
-
-    def record(self, i: int) -> None:
-        """Conversation i is final (every turn answered, or cut by the context cap after turn 1)."""
-        if self.journal is not None:
-            self.pending_log.append(i)
 
     def flush_log(self) -> None:
         """Append the finished conversations to the resume log (one fsync for the lot)."""
@@ -239,7 +235,7 @@ class _Run:
                 # not logged: a resumed run finds it over the cap again, without generating
                 self.dropped.add(i)
             else:
-                self.record(i)
+                self.pending_log.append(i)
             return False
         self.ready[i] = (ids, head)
         return True
@@ -273,7 +269,7 @@ class _Run:
         bar.update(1)
         if self.done[i] < len(self.state[i][1]):
             return self.make_ready(i, bar)  # turn k+1 is ready as soon as turn k is answered
-        self.record(i)
+        self.pending_log.append(i)
         return False
 
     def outputs(self) -> list[dict]:
