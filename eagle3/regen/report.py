@@ -4,7 +4,6 @@ one-line messages (what reading found, answers an older 01 wrote)."""
 from __future__ import annotations
 
 import json
-import logging
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -12,9 +11,6 @@ from typing import Optional
 from eagle3.chat.template import ANSWER_FIELDS
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
-
-log = logging.getLogger(__name__)
-
 
 REPORT_NAME = "prompts_report.json"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +34,6 @@ from eagle3.verifier.load import (
     weights_differ,
     weights_fingerprint,
 )
-
-log = logging.getLogger(__name__)
 
 SENTINEL = "\x00EAGLE3_USER_QUERY\x00"
 SOURCE = "self_instruct"
