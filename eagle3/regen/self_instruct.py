@@ -235,16 +235,15 @@ def make(
     """Sample ``num`` user queries from the verifier, filter them, write ``out`` (the CLI mode's and
     ``prompts.self_instruct``'s one code path; the arguments are already checked).
 
-    Steps: pre-query prefix; up-to-date check (equal :class:`SelfInstructSettings`); sample in batches of
-    ``batch_size``, filter (:func:`select_queries`, ``exclude`` pre-seeded as seen); write ``out`` and the report.
-
     Args: ``verifier``: the ``verifier:`` config section (:mod:`eagle3.verifier.load`); ``out``: the file to write
     (its folder exists); ``opts``: chat template options (:func:`pre_query_prefix`); ``system_prompt``, ``seed``:
-    ``prompts.``'s; the others: :class:`SelfInstructSettings`; ``names``: how messages name the settings
-    (:data:`CLI_NAMES`, the default, or :data:`CONFIG_NAMES`).
+    ``prompts.``'s; the others: :class:`SelfInstructSettings` (``exclude``: its prompts count as seen in
+    :func:`select_queries`); ``names``: how messages name the settings (:data:`CLI_NAMES`, the default, or
+    :data:`CONFIG_NAMES`).
 
-    Returns True when it sampled and wrote ``out``, False when ``out`` was up to date (``force``: never). Raises
-    UserError for an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
+    Returns True when it sampled and wrote ``out`` and its report, False when ``out`` was up to date (equal
+    :class:`SelfInstructSettings`, printed; ``force``: never, its old report removed first). Raises UserError for an
+    unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
     """
     names = names or CLI_NAMES
     tok = load_tokenizer(verifier)
@@ -262,8 +261,11 @@ def make(
         tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude),
         weights_fingerprint(verifier),
     )
-    if not _must_sample(out, st, force):
+    if not force and _up_to_date(out, st):
+        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
         return False
+    if force:
+        report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
     queries, counts, secs, tokens = _sample_all(verifier, tok, st, seen)
@@ -272,17 +274,6 @@ def make(
     write_queries(out, queries)
     _write_report(out, st, counts, n_excluded_keys, secs, tokens)
     print(f"{out}: {_summary(st, counts, secs)}; {names['then']}")
-    return True
-
-
-def _must_sample(out: Path, st: SelfInstructSettings, force: bool) -> bool:
-    """Whether ``out`` is to be sampled: not up to date with ``st`` (printed when it is), or ``force`` (its report is
-    removed first, so a forced run stopped before writing samples again)."""
-    if not force and _up_to_date(out, st):
-        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
-        return False
-    if force:
-        report_path(out).unlink(missing_ok=True)
     return True
 
 
