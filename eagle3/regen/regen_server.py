@@ -34,9 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class _ConversationFailed(Exception):
-    def __init__(self, idx: int, turn: int, turns: int, attempts: int, message: str):
-        super().__init__(message)
-        self.idx, self.turn, self.turns, self.attempts = idx, turn, turns, attempts
+    """A request failed for good; the message names the conversation, its turn and the attempts made."""
 
 
 class _Progress:
@@ -253,7 +251,10 @@ class _ServerJob:
                 )
             except RequestFailed as e:
                 self.prog.update(len(users) - k)
-                raise _ConversationFailed(i, k, len(users), e.attempts, str(e)) from e
+                raise _ConversationFailed(
+                    f"conversation {conv_in['id']!r} turn {k + 1}/{len(users)} failed after {e.attempts} "
+                    f"attempt(s): {e}"
+                ) from e
             msgs.append(ans.message())
             with self.lock:
                 st["answers"] += 1
@@ -316,13 +317,10 @@ class _ServerJob:
         if isinstance(err, _OverContext):
             self.st["dropped_over_context"] += 1
         elif isinstance(err, _ConversationFailed):
-            cid = self.convs[i]["id"]
             self.st["failed"] += 1
-            self.st["failed_ids"].append(cid)
+            self.st["failed_ids"].append(self.convs[i]["id"])
             tqdm.write(
-                f"error: regenerate: conversation {cid!r} turn {err.turn + 1}/{err.turns} failed after "
-                f"{err.attempts} attempt(s): {err}; counted as failed, the run goes on",
-                file=sys.stderr,
+                f"error: regenerate: {err}; counted as failed, the run goes on", file=sys.stderr
             )
         else:
             raise err
