@@ -289,12 +289,8 @@ class _ServerJob:
                 except BaseException as e:  # noqa: BLE001 - handed to the main thread
                     results.put((i, None, e))
 
-        threads = [
-            threading.Thread(target=worker, name=f"regen-{k}", daemon=True)
-            for k in range(min(self.pool.capacity, len(todo)))
-        ]
-        for t in threads:
-            t.start()
+        for k in range(min(self.pool.capacity, len(todo))):
+            threading.Thread(target=worker, name=f"regen-{k}", daemon=True).start()
         try:
             for _ in range(len(todo)):
                 while True:
