@@ -23,15 +23,6 @@ log = logging.getLogger(__name__)
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
 
-def settings_differ(old: Any, want: dict, where: Path) -> list[str]:
-    """The :class:`eagle3.manifest.PromptsManifest` fields in which recorded 01 settings ``old`` differ from this
-    run's ``want`` (:meth:`~eagle3.manifest.PromptsManifest.changed`); ``["header"]`` when ``old`` does not read."""
-    try:
-        return PromptsManifest.of_record(old, where).changed(PromptsManifest.make(**want))
-    except UserError:
-        return ["header"]
-
-
 def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
     """One warning line when ``fields`` (a log's or report's ``answer_fields``) lacks some of
     :data:`eagle3.chat.template.ANSWER_FIELDS` (its answers are kept), else None.
@@ -114,10 +105,15 @@ class ResumeLog:
 
     def _foreign_line(self, j: int, n: int, row: dict, conversations: list[dict]) -> Optional[str]:
         """Why line ``n`` of the log (``j``: its place among the lines read, 0 the header) is not of this run, as the
-        one-line refusal with its fix: a header of other settings (:func:`settings_differ`), or an entry whose
-        position, id or messages do not match ``conversations``. None when it is this run's."""
+        one-line refusal with its fix: a header of other settings (the :class:`eagle3.manifest.PromptsManifest` fields
+        that differ, :meth:`~eagle3.manifest.PromptsManifest.changed`; ``header`` when its settings do not read), or an
+        entry whose position, id or messages do not match ``conversations``. None when it is this run's."""
         if j == 0:
-            diff = settings_differ(row.get("settings"), self.settings, self.path)
+            try:
+                old = PromptsManifest.of_record(row.get("settings"), self.path)
+                diff = old.changed(PromptsManifest.make(**self.settings))
+            except UserError:
+                diff = ["header"]
             if not diff:
                 return None
             return (
