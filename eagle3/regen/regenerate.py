@@ -153,11 +153,8 @@ class _Run:
         self.finished = journal.load(conversations) if journal is not None else {}
         self.state = []
         for i, c in enumerate(conversations):
-            system, users = (
-                user_turns(c)
-                if i not in self.passthrough and i not in self.finished
-                else (None, [])
-            )
+            todo = i not in self.passthrough and i not in self.finished
+            system, users = user_turns(c) if todo else (None, [])
             self.state.append(([system] if system is not None else [], users))
         self.total = sum(len(u) for _, u in self.state)
         self.st = {
