@@ -58,9 +58,6 @@ class _Progress:
                     f"{self.tokens / max(now - self.t0, 1e-9):.1f} tok/s", refresh=False
                 )
 
-    def close(self) -> None:
-        self.bar.close()
-
 
 class _OverContext(Exception):
     """A conversation whose first prompt already reaches the context cap (left out, not failed)."""
@@ -305,7 +302,7 @@ class _ServerJob:
                     self._failed(i, err)
         finally:
             self.stop.set()
-            self.prog.close()
+            self.prog.bar.close()
             self.journal.close()
 
     def _failed(self, i: int, err: BaseException) -> None:
