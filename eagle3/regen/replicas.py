@@ -115,18 +115,23 @@ def load_finished(folder: Path, settings: dict, convs: list[dict]) -> dict[int, 
     return done
 
 
-class _GlobalLog(ResumeLog):
+class _GlobalLog:
     """A rank's resume log seen by :func:`regenerate` on its share: local positions written as global ones."""
 
-    def __init__(self, path: Path, settings: dict, positions: list[int]):
-        super().__init__(path, settings)
-        self.positions = positions
+    def __init__(self, log: ResumeLog, positions: list[int]):
+        self.log, self.positions = log, positions
 
     def load(self, conversations) -> dict:
         return {}  # finished conversations were taken out of the share already
 
+    def open(self) -> None:
+        self.log.open()
+
     def append_many(self, entries) -> None:
-        super().append_many([(self.positions[i], conv) for i, conv in entries])
+        self.log.append_many([(self.positions[i], conv) for i, conv in entries])
+
+    def close(self) -> None:
+        self.log.close()
 
 
 def share(convs: list[dict], open_positions: list[int], rank: int, world: int) -> list[int]:
@@ -200,7 +205,7 @@ def regenerate_replicas(
             tok,
             [convs[i] for i in mine],
             stats=st,
-            journal=_GlobalLog(log_path(folder, d.rank), want, mine),
+            journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine),
             **(regen_kwargs or {}),
         )
         parts = d.all_gather(st)
