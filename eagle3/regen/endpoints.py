@@ -38,14 +38,6 @@ class RequestFailed(Exception):
         self.attempts = attempts
 
 
-class _AttemptError(Exception):
-    """One attempt failed; ``retryable`` says whether another attempt may succeed."""
-
-    def __init__(self, message: str, retryable: bool):
-        super().__init__(message)
-        self.retryable = retryable
-
-
 @dataclass
 class Endpoint:
     """One server base URL and its health bookkeeping (guarded by the pool's lock)."""
@@ -129,13 +121,12 @@ class EndpointPool:
         return self.per_endpoint * len(self.endpoints)
 
     def _usable(self, ep: Endpoint, now: float) -> bool:
-        if ep.in_flight >= self.per_endpoint:
-            return False
-        if ep.dead_until > now:
-            return False
-        if ep.consecutive_failures >= self.dead_after:  # revived: one probe at a time
-            return not ep.probing
-        return True
+        revived = ep.consecutive_failures >= self.dead_after  # one probe at a time
+        return (
+            ep.in_flight < self.per_endpoint
+            and ep.dead_until <= now
+            and not (revived and ep.probing)
+        )
 
     def acquire(self, avoid: Optional[Endpoint] = None) -> Endpoint:
         """Block until an endpoint has a free slot (preferring one other than ``avoid``); slot taken.
@@ -250,14 +241,6 @@ class EndpointPool:
                     ep.dead_until = time.monotonic() + self.revive_after_s
         return list(bad)
 
-    def _post_once(self, ep: Endpoint, path: str, payload: dict, timeout: float) -> Any:
-        try:
-            return request_json(
-                ep.url + path, payload, timeout, unreachable="", headers=self.headers
-            )
-        except HTTPFailure as e:
-            raise _AttemptError(str(e), e.retryable) from e
-
     def post(
         self, path: str, payload: dict, timeout: float, policy: RetryPolicy, check=None
     ) -> tuple[Any, int]:
@@ -277,18 +260,18 @@ class EndpointPool:
         for attempt in range(1, policy.max_attempts + 1):
             ep = self.acquire(avoid=last)
             try:
-                out = self._post_once(ep, path, payload, timeout)
+                out = request_json(
+                    ep.url + path, payload, timeout, unreachable="", headers=self.headers
+                )
                 if check is not None:
                     try:
                         out = check(out)
                     except ValueError as e:
-                        raise _AttemptError(f"{ep.url}{path}: {e}", retryable=True) from e
-            except _AttemptError as e:
+                        raise HTTPFailure(f"{ep.url}{path}: {e}", retryable=True) from e
+            except HTTPFailure as e:
                 # a 4xx other than 408/429 says the request is bad, not the endpoint
                 self.release(ep, ok=not e.retryable, error=str(e))
-                if not e.retryable:
-                    raise RequestFailed(str(e), attempt) from e
-                if attempt == policy.max_attempts:
+                if not e.retryable or attempt == policy.max_attempts:
                     raise RequestFailed(str(e), attempt) from e
                 log.info("attempt %d/%d failed (%s); retrying", attempt, policy.max_attempts, e)
                 last = ep

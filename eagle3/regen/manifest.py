@@ -10,7 +10,6 @@ are written) makes the old outputs not up to date, for 01 and for 02.
 from __future__ import annotations
 
 import hashlib
-import logging
 from pathlib import Path
 from typing import Optional
 
@@ -18,9 +17,6 @@ from eagle3.errors import UserError
 from eagle3.io.read import file_sha256
 from eagle3.manifest import PromptsManifest
 from eagle3.regen.report import REPORT_NAME
-
-log = logging.getLogger(__name__)
-
 
 FORCED_NAME = "prompts.forced-run.json"  # beside prompts.jsonl from a --force run's start until its outputs are written
 
@@ -30,9 +26,8 @@ def _had_failures(report: dict) -> bool:
     return bool((report.get("regeneration") or {}).get("failed"))
 
 
-SOURCE_STATS = (
-    "source_stats"  # prompts_report.json key: {resolved source path: {bytes, mtime_ns, sha256}}
-)
+# prompts_report.json key: {resolved source path: {bytes, mtime_ns, sha256}}
+SOURCE_STATS = "source_stats"
 
 
 def source_fingerprint(

@@ -19,7 +19,8 @@ import queue
 import sys
 import threading
 import time
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from tqdm import tqdm
 
@@ -33,9 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class _ConversationFailed(Exception):
-    def __init__(self, idx: int, turn: int, turns: int, attempts: int, message: str):
-        super().__init__(message)
-        self.idx, self.turn, self.turns, self.attempts = idx, turn, turns, attempts
+    """A request failed for good; the message names the conversation, its turn and the attempts made."""
 
 
 class _Progress:
@@ -59,16 +58,9 @@ class _Progress:
                     f"{self.tokens / max(now - self.t0, 1e-9):.1f} tok/s", refresh=False
                 )
 
-    def close(self) -> None:
-        self.bar.close()
-
 
 class _OverContext(Exception):
     """A conversation whose first prompt already reaches the context cap (left out, not failed)."""
-
-    def __init__(self, idx: int):
-        super().__init__(idx)
-        self.idx = idx
 
 
 def regenerate_via_server(
@@ -109,11 +101,23 @@ def regenerate_via_server(
     if pool is None:
         pool = _endpoint_pool(sc)
     journal = ResumeLog(partial_path, settings)
-    done, passthrough, todo, resumed = _plan(conversations, journal)
-    st = _start_stats(conversations, journal, passthrough, resumed)
+    done, todo, st = _plan(conversations, journal)
     if todo and check_reachable:
         pool.preflight(timeout=min(sc.timeout_s, 30.0))
-    job = _make_job(conversations, tokenizer, pc, opts, pool, journal, max_context, st, todo)
+    job = _ServerJob(
+        conversations,
+        tokenizer,
+        opts,
+        # the request builder / response checker of ``prompts.regenerate_via``
+        {"sglang": SGLangGenerate, "openai": OpenAIChat}[pc.regenerate_via](tokenizer, pc, opts),
+        pool,
+        RetryPolicy(sc.max_attempts, sc.backoff_s, sc.backoff_max_s),
+        sc.timeout_s,
+        journal,
+        max_context,
+        st,
+        _Progress(sum(len(user_turns(conversations[i])[1]) for i in todo)),
+    )
     t0 = time.perf_counter()
     job.run(todo, done)
     st["seconds"] = time.perf_counter() - t0
@@ -123,42 +127,21 @@ def regenerate_via_server(
     return [done[i] for i in range(len(conversations)) if i in done]
 
 
-def _make_job(
-    conversations: list[dict],
-    tokenizer,
-    pc,
-    opts: ChatOptions,
-    pool: EndpointPool,
-    journal: ResumeLog,
-    max_context: Optional[int],
-    st: dict,
-    todo: list[int],
-) -> "_ServerJob":
-    """The :class:`_ServerJob` answering conversations ``todo`` with ``pc``'s protocol, retry policy and timeout."""
-    sc = pc.server
-    # the request builder / response checker of ``prompts.regenerate_via``
-    proto = {"sglang": SGLangGenerate, "openai": OpenAIChat}[pc.regenerate_via](tokenizer, pc, opts)
-    policy = RetryPolicy(sc.max_attempts, sc.backoff_s, sc.backoff_max_s)
-    return _ServerJob(
-        conversations,
-        tokenizer,
-        opts,
-        proto,
-        pool,
-        policy,
-        sc.timeout_s,
-        journal,
-        max_context,
-        st,
-        total_turns=sum(len(user_turns(conversations[i])[1]) for i in todo),
-    )
+def _plan(conversations: list[dict], journal: ResumeLog) -> tuple[dict[int, dict], list[int], dict]:
+    """``(done, todo, stats)``: the conversations finished in the resume log or kept as they are (tool results), the
+    indices still to do, and the run's zeroed figures (:func:`regenerate_via_server`'s ``stats``); warns about the
+    kept ones and prints the resumed count.
 
-
-def _start_stats(
-    conversations: list[dict], journal: ResumeLog, passthrough: list, resumed: int
-) -> dict:
-    """The run's zeroed figures (:func:`regenerate_via_server`'s ``stats``); warns about the conversations with
-    tool results kept as they are and prints the resumed count."""
+    Raises:
+        UserError: a resume log of other settings or input.
+    """
+    done = journal.load(conversations)
+    resumed = len(done)
+    log_resuming(resumed, len(conversations))
+    # tool results answer the original calls: such a conversation is kept as it is
+    passthrough = [i for i, c in enumerate(conversations) if has_tool_calls(c)]
+    done.update((i, conversations[i]) for i in passthrough)
+    todo = [i for i in range(len(conversations)) if i not in done]
     st = {
         "answers": 0,
         "new_tokens": 0,
@@ -181,7 +164,7 @@ def _start_stats(
         print(
             f"resuming: {resumed} of {len(conversations)} conversations already regenerated ({journal.path})"
         )
-    return st
+    return done, todo, st
 
 
 def _endpoint_pool(sc) -> EndpointPool:
@@ -208,61 +191,25 @@ def _endpoint_pool(sc) -> EndpointPool:
     )
 
 
-def _plan(
-    conversations: list[dict], journal: ResumeLog
-) -> tuple[dict[int, dict], list[int], list[int], int]:
-    """``(done, passthrough, todo, resumed)``: conversations finished in the resume log, kept as
-    they are (tool results), and the indices still to do.
-
-    Raises:
-        UserError: a resume log of other settings or input.
-    """
-    done = journal.load(conversations)
-    resumed = len(done)
-    log_resuming(resumed, len(conversations))
-    passthrough = [i for i, c in enumerate(conversations) if has_tool_calls(c)]
-    for i in passthrough:
-        done[i] = conversations[i]
-    todo = [i for i in range(len(conversations)) if i not in done]
-    return done, passthrough, todo, resumed
-
-
+@dataclass
 class _ServerJob:
     """The concurrent part of :func:`regenerate_via_server`: one daemon thread per request slot of the pool,
     each answering whole conversations turn by turn (:meth:`answer`), results collected on the calling thread
-    (:meth:`run`); ``stats`` is updated under a lock."""
+    (:meth:`run`); ``st`` (the run's figures) is updated under ``lock``; ``proto``: :mod:`server_protocols`."""
 
-    def __init__(
-        self,
-        conversations,
-        tokenizer,
-        opts,
-        proto,
-        pool,
-        policy,
-        timeout_s,
-        journal,
-        max_context,
-        stats,
-        total_turns: int,
-    ):
-        self.convs, self.tok, self.opts, self.proto, self.pool = (
-            conversations,
-            tokenizer,
-            opts,
-            proto,
-            pool,
-        )
-        self.policy, self.timeout_s, self.journal, self.max_context, self.st = (
-            policy,
-            timeout_s,
-            journal,
-            max_context,
-            stats,
-        )
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.prog = _Progress(total_turns)
+    convs: list[dict]
+    tok: Any
+    opts: ChatOptions
+    proto: Any
+    pool: EndpointPool
+    policy: RetryPolicy
+    timeout_s: float
+    journal: ResumeLog
+    max_context: Optional[int]
+    st: dict
+    prog: _Progress
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def answer(self, i: int) -> dict:
         """Regenerate conversation ``i`` (appended to the resume log when finished).
@@ -273,37 +220,38 @@ class _ServerJob:
             InterruptedError: the run is stopping.
         """
         conv_in, st = self.convs[i], self.st
+        tools = conv_in.get("tools")
         system, users = user_turns(conv_in)
         msgs = [dict(system)] if system else []
         for k, u in enumerate(users):
             if self.stop.is_set():
                 raise InterruptedError
             msgs.append({"role": "user", "content": u})
+            head = self.max_context is not None and generation_prompt(
+                self.tok, msgs, self.opts, tools
+            )
             if (
-                self.max_context is not None
-                and len(
-                    self.tok(
-                        generation_prompt(self.tok, msgs, self.opts, conv_in.get("tools")),
-                        add_special_tokens=False,
-                    )["input_ids"]
-                )
-                >= self.max_context
+                head
+                and len(self.tok(head, add_special_tokens=False)["input_ids"]) >= self.max_context
             ):
                 msgs.pop()
                 self.prog.update(len(users) - k)
                 with self.lock:
                     st["turns_over_context"] += len(users) - k
                 if k == 0:
-                    raise _OverContext(i)
+                    raise _OverContext
                 break
-            payload, check = self.proto.request(msgs, conv_in.get("tools"))
+            payload, check = self.proto.request(msgs, tools)
             try:
                 ans, attempts = self.pool.post(
                     self.proto.path, payload, self.timeout_s, self.policy, check=check
                 )
             except RequestFailed as e:
                 self.prog.update(len(users) - k)
-                raise _ConversationFailed(i, k, len(users), e.attempts, str(e)) from e
+                raise _ConversationFailed(
+                    f"conversation {conv_in['id']!r} turn {k + 1}/{len(users)} failed after {e.attempts} "
+                    f"attempt(s): {e}"
+                ) from e
             msgs.append(ans.message())
             with self.lock:
                 st["answers"] += 1
@@ -311,9 +259,7 @@ class _ServerJob:
                 st["truncated"] += int(ans.truncated)
                 st["retries"] += attempts - 1
             self.prog.update(1, ans.new_tokens)
-        conv = {"id": conv_in["id"], "messages": msgs}
-        if conv_in.get("tools"):
-            conv["tools"] = conv_in["tools"]
+        conv = {"id": conv_in["id"], "messages": msgs, **({"tools": tools} if tools else {})}
         self.journal.append(i, conv)
         return conv
 
@@ -340,12 +286,8 @@ class _ServerJob:
                 except BaseException as e:  # noqa: BLE001 - handed to the main thread
                     results.put((i, None, e))
 
-        threads = [
-            threading.Thread(target=worker, name=f"regen-{k}", daemon=True)
-            for k in range(min(self.pool.capacity, len(todo)))
-        ]
-        for t in threads:
-            t.start()
+        for k in range(min(self.pool.capacity, len(todo))):
+            threading.Thread(target=worker, name=f"regen-{k}", daemon=True).start()
         try:
             for _ in range(len(todo)):
                 while True:
@@ -360,7 +302,7 @@ class _ServerJob:
                     self._failed(i, err)
         finally:
             self.stop.set()
-            self.prog.close()
+            self.prog.bar.close()
             self.journal.close()
 
     def _failed(self, i: int, err: BaseException) -> None:
@@ -368,13 +310,10 @@ class _ServerJob:
         if isinstance(err, _OverContext):
             self.st["dropped_over_context"] += 1
         elif isinstance(err, _ConversationFailed):
-            cid = self.convs[i]["id"]
             self.st["failed"] += 1
-            self.st["failed_ids"].append(cid)
+            self.st["failed_ids"].append(self.convs[i]["id"])
             tqdm.write(
-                f"error: regenerate: conversation {cid!r} turn {err.turn + 1}/{err.turns} failed after "
-                f"{err.attempts} attempt(s): {err}; counted as failed, the run goes on",
-                file=sys.stderr,
+                f"error: regenerate: {err}; counted as failed, the run goes on", file=sys.stderr
             )
         else:
             raise err

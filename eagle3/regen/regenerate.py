@@ -139,13 +139,8 @@ class _Run:
         max_context: Optional[int],
         journal: Optional[ResumeLog],
     ):
-        self.tok, self.convs, self.opts, self.max_context, self.journal = (
-            tokenizer,
-            conversations,
-            opts,
-            max_context,
-            journal,
-        )
+        self.tok, self.convs, self.opts = tokenizer, conversations, opts
+        self.max_context, self.journal = max_context, journal
         # Tool results answer the ORIGINAL calls: such a conversation cannot be re-answered turn by turn
         # in-process (no tools run here), so it is kept as it is and counted (``kept_with_tools``).
         self.passthrough = {i for i, c in enumerate(conversations) if has_tool_calls(c)}
@@ -158,11 +153,8 @@ class _Run:
         self.finished = journal.load(conversations) if journal is not None else {}
         self.state = []
         for i, c in enumerate(conversations):
-            system, users = (
-                user_turns(c)
-                if i not in self.passthrough and i not in self.finished
-                else (None, [])
-            )
+            todo = i not in self.passthrough and i not in self.finished
+            system, users = user_turns(c) if todo else (None, [])
             self.state.append(([system] if system is not None else [], users))
         self.total = sum(len(u) for _, u in self.state)
         self.st = {
@@ -180,7 +172,8 @@ class _Run:
         self.dropped: set[int] = set()
         self.done = [0] * len(self.state)  # answered turns per conversation
         self.ready: dict[int, tuple[list[int], str]] = {}
-        self.pending_log: list[int] = []  # finished conversations not yet in the resume log
+        # final conversations (every turn answered, or cut by the context cap after turn 1) not yet in the resume log
+        self.pending_log: list[int] = []
 
     def result(self, i: int) -> dict:
         """Conversation i as returned: its id, the messages so far (regenerated answers), its tools."""
@@ -190,11 +183,6 @@ class _Run:
             "messages": self.state[i][0],
             **({"tools": c["tools"]} if c.get("tools") else {}),
         }
-
-    def record(self, i: int) -> None:
-        """Conversation i is final (every turn answered, or cut by the context cap after turn 1)."""
-        if self.journal is not None:
-            self.pending_log.append(i)
 
     def flush_log(self) -> None:
         """Append the finished conversations to the resume log (one fsync for the lot)."""
@@ -244,7 +232,7 @@ class _Run:
                 # not logged: a resumed run finds it over the cap again, without generating
                 self.dropped.add(i)
             else:
-                self.record(i)
+                self.pending_log.append(i)
             return False
         self.ready[i] = (ids, head)
         return True
@@ -278,23 +266,16 @@ class _Run:
         bar.update(1)
         if self.done[i] < len(self.state[i][1]):
             return self.make_ready(i, bar)  # turn k+1 is ready as soon as turn k is answered
-        self.record(i)
+        self.pending_log.append(i)
         return False
 
     def outputs(self) -> list[dict]:
         """The conversations in input order, less those left out by the context cap."""
-        out = []
-        for i, c in enumerate(self.convs):
-            if i in self.dropped:
-                continue
-            out.append(
-                c
-                if i in self.passthrough
-                else self.finished[i]
-                if i in self.finished
-                else self.result(i)
-            )
-        return out
+        return [
+            c if i in self.passthrough else self.finished.get(i) or self.result(i)
+            for i, c in enumerate(self.convs)
+            if i not in self.dropped
+        ]
 
 
 def _decode_static(
@@ -417,76 +398,33 @@ def regenerate(
     run = _Run(tokenizer, conversations, opts, max_context, journal)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        bar = _start(run, stack, journal)
-        _decode(
-            run,
-            stack,
-            bar,
-            model,
-            tokenizer,
-            max_new_tokens,
-            batch_size,
-            max_context,
-            schedule,
-            engine,
-            engine_options,
+        if journal is not None:
+            journal.open()
+            stack.callback(journal.close)
+        bar = stack.enter_context(
+            tqdm(total=run.total, desc=f"regenerate{rank_tag(' ')}", unit="answer")
         )
-    _finish(run, time.perf_counter() - t0, engine, max_context, stats)
-    return run.outputs()
-
-
-def _decode(
-    run: "_Run",
-    stack: contextlib.ExitStack,
-    bar,
-    model,
-    tokenizer,
-    max_new_tokens: int,
-    batch_size: int,
-    max_context: Optional[int],
-    schedule: str,
-    engine: str,
-    engine_options: Optional[dict],
-) -> None:
-    """Answer every ready turn with ``engine`` (a continuous engine is made for the turns ready, closed by
-    ``stack``)."""
-    if engine == "static":
-        _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
-    elif run.ready:
-        eng = make_engine(
-            engine,
-            model,
-            tokenizer,
-            max_new_tokens,
-            min(batch_size, len(run.ready)),  # rows: one turn per conversation in flight
-            max_context,
-            engine_options,
-            planned_answers=sum(run.remaining(i) for i in run.ready),  # regen_compile: auto
-        )
-        stack.callback(eng.close)
-        _decode_continuous(run, eng, bar)
-
-
-def _start(run: "_Run", stack: contextlib.ExitStack, journal: Optional[ResumeLog]):
-    """Open the journal (closed by ``stack``), the progress bar, and make every conversation's first turn ready
-    (the resumed ones taken from the journal). Returns the bar."""
-    if journal is not None:
-        journal.open()
-        stack.callback(journal.close)
-    bar = stack.enter_context(
-        tqdm(total=run.total, desc=f"regenerate{rank_tag(' ')}", unit="answer")
+        # every conversation's first turn (the resumed ones are taken from the journal)
+        run.make_ready_many([i for i, (_, users) in enumerate(run.state) if users], bar)
+        run.flush_log()
+        if engine == "static":
+            _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
+        elif run.ready:
+            eng = make_engine(
+                engine,
+                model,
+                tokenizer,
+                max_new_tokens,
+                min(batch_size, len(run.ready)),  # rows: one turn per conversation in flight
+                max_context,
+                engine_options,
+                planned_answers=sum(run.remaining(i) for i in run.ready),  # regen_compile: auto
+            )
+            stack.callback(eng.close)
+            _decode_continuous(run, eng, bar)
+    run.st.update(
+        seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine
     )
-    run.make_ready_many([i for i, (_, users) in enumerate(run.state) if users], bar)
-    run.flush_log()
-    return bar
-
-
-def _finish(
-    run: "_Run", seconds: float, engine: str, max_context: Optional[int], stats: Optional[dict]
-) -> None:
-    """Record the wall time (seconds), the conversations left out and the engine; warn about those left out;
-    copy the figures into ``stats``."""
-    run.st.update(seconds=seconds, dropped_over_context=len(run.dropped), engine=engine)
     if run.dropped:
         log.warning(
             "%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
@@ -495,3 +433,4 @@ def _finish(
         )
     if stats is not None:
         stats.update(run.st)
+    return run.outputs()

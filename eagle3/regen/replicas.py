@@ -130,9 +130,6 @@ class _GlobalLog:
     def append_many(self, entries) -> None:
         self.log.append_many([(self.positions[i], conv) for i, conv in entries])
 
-    def append(self, idx: int, conv: dict) -> None:
-        self.append_many([(idx, conv)])
-
     def close(self) -> None:
         self.log.close()
 
@@ -213,12 +210,8 @@ def regenerate_replicas(
         )
         parts = d.all_gather(st)
         d.barrier()  # every rank's log is complete
-        out = None
-        if d.rank == 0:
-            tools = sum(1 for c in convs if has_tool_calls(c))
-            stats.update(
-                merge_stats(parts, resumed=len(finished), kept_with_tools=tools),
-                stop_token_ids=stats["stop_token_ids"],
-            )
-            out = assemble(convs, load_finished(folder, want, convs), has_tool_calls)
-        return out
+        if d.rank != 0:
+            return None
+        tools = sum(1 for c in convs if has_tool_calls(c))
+        stats.update(merge_stats(parts, resumed=len(finished), kept_with_tools=tools))
+        return assemble(convs, load_finished(folder, want, convs), has_tool_calls)

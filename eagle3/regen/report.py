@@ -4,7 +4,6 @@ one-line messages (what reading found, answers an older 01 wrote)."""
 from __future__ import annotations
 
 import json
-import logging
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -12,9 +11,6 @@ from typing import Optional
 from eagle3.chat.template import ANSWER_FIELDS
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
-
-log = logging.getLogger(__name__)
-
 
 REPORT_NAME = "prompts_report.json"
 
@@ -57,7 +53,7 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
         return []
     rows: list[tuple] = []
     if "via" in reg:
-        rows += [("regeneration: via", reg["via"])]
+        rows.append(("regeneration: via", reg["via"]))
     if "failed" in reg:
         rows += [
             ("regeneration: failed conversations", reg["failed"]),
@@ -65,13 +61,7 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
         ]
     # a resumed run: its figures below cover the conversations it answered
     if "failed" in reg or reg.get("resumed"):
-        rows += [
-            (
-                "regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
-                "figures below count this run's only)",
-                reg.get("resumed", 0),
-            )
-        ]
+        rows.append((_RESUMED_LABEL, reg.get("resumed", 0)))
     if "sampling" in reg:
         rows += [
             (f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v)
@@ -83,21 +73,16 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
     ]  # slot engines, per replica
     if es:
         reused, fed = sum(e["reused_tokens"] for e in es), sum(e["prefill_tokens"] for e in es)
-        rows += [
-            (
-                "regeneration: prompt tokens prefilled / reused from the previous turn",
-                f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)",
-            )
-        ]
-    if reg.get("turns_over_context"):
-        rows += [("regeneration: user turns not answered (context cap)", reg["turns_over_context"])]
-    if reg.get("kept_with_tools"):
-        rows += [
-            (
-                "regeneration: conversations with tool results kept as they are",
-                reg["kept_with_tools"],
-            )
-        ]
+        share = f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)"
+        rows.append(
+            ("regeneration: prompt tokens prefilled / reused from the previous turn", share)
+        )
+    for k, label in (
+        ("turns_over_context", "user turns not answered (context cap)"),
+        ("kept_with_tools", "conversations with tool results kept as they are"),
+    ):
+        if reg.get(k):
+            rows.append((f"regeneration: {label}", reg[k]))
     rows += [
         ("regeneration: new tokens", reg["new_tokens"]),
         ("regeneration: truncated answers", reg["truncated"]),
@@ -107,6 +92,10 @@ def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
     return rows
 
 
+_RESUMED_LABEL = (
+    "regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
+    "figures below count this run's only)"
+)
 # Markdown labels of counts whose key alone would not say what they count
 _COUNT_LABELS = {
     "dropped_over_context": "dropped_over_context (first prompt at the context cap)",

@@ -23,15 +23,6 @@ log = logging.getLogger(__name__)
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
 
-def settings_differ(old: Any, want: dict, where: Path) -> list[str]:
-    """The :class:`eagle3.manifest.PromptsManifest` fields in which recorded 01 settings ``old`` differ from this
-    run's ``want`` (:meth:`~eagle3.manifest.PromptsManifest.changed`); ``["header"]`` when ``old`` does not read."""
-    try:
-        return PromptsManifest.of_record(old, where).changed(PromptsManifest.make(**want))
-    except UserError:
-        return ["header"]
-
-
 def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
     """One warning line when ``fields`` (a log's or report's ``answer_fields``) lacks some of
     :data:`eagle3.chat.template.ANSWER_FIELDS` (its answers are kept), else None.
@@ -89,11 +80,7 @@ class ResumeLog:
         """
         if not self.path.is_file():
             return {}
-        rows, torn = read_append_log(
-            self.path,
-            lambda r: isinstance(r, dict),
-            "malformed line in the regeneration resume log",
-        )
+        rows, torn = _read_log(self.path)
         done: dict[int, dict] = {}
         for j, (n, row, _) in enumerate(rows):
             foreign = self._foreign_line(j, n, row, conversations)
@@ -118,10 +105,15 @@ class ResumeLog:
 
     def _foreign_line(self, j: int, n: int, row: dict, conversations: list[dict]) -> Optional[str]:
         """Why line ``n`` of the log (``j``: its place among the lines read, 0 the header) is not of this run, as the
-        one-line refusal with its fix: a header of other settings (:func:`settings_differ`), or an entry whose
-        position, id or messages do not match ``conversations``. None when it is this run's."""
+        one-line refusal with its fix: a header of other settings (the :class:`eagle3.manifest.PromptsManifest` fields
+        that differ, :meth:`~eagle3.manifest.PromptsManifest.changed`; ``header`` when its settings do not read), or an
+        entry whose position, id or messages do not match ``conversations``. None when it is this run's."""
         if j == 0:
-            diff = settings_differ(row.get("settings"), self.settings, self.path)
+            try:
+                old = PromptsManifest.of_record(row.get("settings"), self.path)
+                diff = old.changed(PromptsManifest.make(**self.settings))
+            except UserError:
+                diff = ["header"]
             if not diff:
                 return None
             return (
@@ -145,14 +137,8 @@ class ResumeLog:
     def open(self) -> None:
         """Open for appending; a new log gets its settings line first (written atomically)."""
         if not self.path.is_file():
-            atomic_write_text(
-                self.path,
-                json.dumps(
-                    {"settings": self.settings, "answer_fields": list(ANSWER_FIELDS)},
-                    ensure_ascii=False,
-                )
-                + "\n",
-            )
+            header = {"settings": self.settings, "answer_fields": list(ANSWER_FIELDS)}
+            atomic_write_text(self.path, json.dumps(header, ensure_ascii=False) + "\n")
         self._f = open(self.path, "a", encoding="utf-8")
 
     def append(self, idx: int, conv: dict) -> None:
@@ -187,6 +173,13 @@ class ResumeLog:
         self.path.unlink(missing_ok=True)
 
 
+def _read_log(path: Path) -> tuple[list, bool]:
+    """:func:`eagle3.shards.manifest.read_append_log` of a resume log: ``(rows, torn)``, each row a dict."""
+    return read_append_log(
+        path, lambda r: isinstance(r, dict), "malformed line in the regeneration resume log"
+    )
+
+
 def logged_positions(paths: list[Path]) -> set[int]:
     """Distinct conversation positions the logs ``paths`` hold (torn last line not counted).
 
@@ -195,9 +188,7 @@ def logged_positions(paths: list[Path]) -> set[int]:
     """
     seen: set[int] = set()
     for p in paths:
-        rows, _torn = read_append_log(
-            p, lambda r: isinstance(r, dict), "malformed line in the regeneration resume log"
-        )
+        rows, _torn = _read_log(p)
         seen.update(row["idx"] for _, row, _ in rows if isinstance(row.get("idx"), int))
     return seen
 

@@ -143,20 +143,16 @@ def load(path: str, want: dict) -> dict[str, dict]:
     """
     p = Path(path)
     rep = p.parent / "prompts_report.json"
-    # the two files it reads, in that order, and what a missing one is
-    for f, missing in (
-        (
-            p,
-            "a folder; give the earlier prompts.jsonl[.gz] in it" if p.is_dir() else "no such file",
-        ),
-        (
-            rep,
-            f"missing (the report 01 wrote beside {p.name} tells the settings its answers were made "
-            "under)",
-        ),
-    ):
-        if not f.is_file():
-            raise UserError(f"prompts.reuse_answers: {f}: {missing}")
+    if not p.is_file():
+        missing = (
+            "a folder; give the earlier prompts.jsonl[.gz] in it" if p.is_dir() else "no such file"
+        )
+        raise UserError(f"prompts.reuse_answers: {p}: {missing}")
+    if not rep.is_file():
+        raise UserError(
+            f"prompts.reuse_answers: {rep}: missing (the report 01 wrote beside {p.name} tells the "
+            "settings its answers were made under)"
+        )
     check_settings(read_json(rep), want, rep)
     return {conversation_key(r): r for r in _read_rows(p)}
 

@@ -95,15 +95,8 @@ def _apply_limit(
             steps["self_instruct"], steps["limited_out"]
         )
         if dropped and is_rank0():
-            log.warning(
-                limit_drops_self_instruct(
-                    "--limit",
-                    limit,
-                    steps["self_instruct"],
-                    dropped,
-                    len(convs) + steps["limited_out"],
-                )
-            )
+            n_si, total = steps["self_instruct"], len(convs) + steps["limited_out"]
+            log.warning(limit_drops_self_instruct("--limit", limit, n_si, dropped, total))
     return convs
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +34,6 @@ from eagle3.verifier.load import (
     weights_differ,
     weights_fingerprint,
 )
-
-log = logging.getLogger(__name__)
 
 SENTINEL = "\x00EAGLE3_USER_QUERY\x00"
 SOURCE = "self_instruct"
@@ -119,15 +116,12 @@ def select_queries(
     for text, done in zip(texts, ended):
         q = text.strip()
         key = dedupe_key({"messages": [{"role": "user", "content": q}]})
-        why = (
-            "truncated"
-            if not done
-            else "too_short"
-            if len(q) < min_chars
-            else "duplicate"
-            if key in seen
-            else "kept"
+        failed = (
+            ("truncated", not done),
+            ("too_short", len(q) < min_chars),
+            ("duplicate", key in seen),
         )
+        why = next((w for w, bad in failed if bad), "kept")
         counts[why] += 1
         if why == "kept":
             seen.add(key)
@@ -241,16 +235,15 @@ def make(
     """Sample ``num`` user queries from the verifier, filter them, write ``out`` (the CLI mode's and
     ``prompts.self_instruct``'s one code path; the arguments are already checked).
 
-    Steps: pre-query prefix; up-to-date check (equal :class:`SelfInstructSettings`); sample in batches of
-    ``batch_size``, filter (:func:`select_queries`, ``exclude`` pre-seeded as seen); write ``out`` and the report.
-
     Args: ``verifier``: the ``verifier:`` config section (:mod:`eagle3.verifier.load`); ``out``: the file to write
     (its folder exists); ``opts``: chat template options (:func:`pre_query_prefix`); ``system_prompt``, ``seed``:
-    ``prompts.``'s; the others: :class:`SelfInstructSettings`; ``names``: how messages name the settings
-    (:data:`CLI_NAMES`, the default, or :data:`CONFIG_NAMES`).
+    ``prompts.``'s; the others: :class:`SelfInstructSettings` (``exclude``: its prompts count as seen in
+    :func:`select_queries`); ``names``: how messages name the settings (:data:`CLI_NAMES`, the default, or
+    :data:`CONFIG_NAMES`).
 
-    Returns True when it sampled and wrote ``out``, False when ``out`` was up to date (``force``: never). Raises
-    UserError for an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
+    Returns True when it sampled and wrote ``out`` and its report, False when ``out`` was up to date (equal
+    :class:`SelfInstructSettings`, printed; ``force``: never, its old report removed first). Raises UserError for an
+    unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
     """
     names = names or CLI_NAMES
     tok = load_tokenizer(verifier)
@@ -268,39 +261,20 @@ def make(
         tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude),
         weights_fingerprint(verifier),
     )
-    if not _must_sample(out, st, force):
+    if not force and _up_to_date(out, st):
+        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
         return False
+    if force:
+        report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
-    queries, counts, secs, tokens = _sample_with(verifier, tok, st, seen)
+    queries, counts, secs, tokens = _sample_all(verifier, tok, st, seen)
     if not queries:
         raise nothing_kept(num, counts, max_query_tokens, min_chars, names)
     write_queries(out, queries)
     _write_report(out, st, counts, n_excluded_keys, secs, tokens)
     print(f"{out}: {_summary(st, counts, secs)}; {names['then']}")
     return True
-
-
-def _must_sample(out: Path, st: SelfInstructSettings, force: bool) -> bool:
-    """Whether ``out`` is to be sampled: not up to date with ``st`` (printed when it is), or ``force`` (its report is
-    removed first, so a forced run stopped before writing samples again)."""
-    if not force and _up_to_date(out, st):
-        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
-        return False
-    if force:
-        report_path(out).unlink(missing_ok=True)
-    return True
-
-
-def _sample_with(
-    verifier, tok, st: SelfInstructSettings, seen: set
-) -> tuple[list, dict, float, int]:
-    """:func:`_sample_all` with the verifier loaded for it and freed after (before 01 loads its own to answer)."""
-    model, _ = load_verifier(verifier)
-    try:
-        return _sample_all(model, tok, st, stop_token_ids(tok), seen)
-    finally:
-        del model
 
 
 def _summary(st: SelfInstructSettings, counts: dict, secs: float) -> str:
@@ -433,10 +407,8 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
         rec = read_json(rp)
     except UserError:
         return False
-    want, got = (
-        json.loads(json.dumps(asdict(st))),
-        rec.get("settings") if isinstance(rec, dict) else None,
-    )
+    want = json.loads(json.dumps(asdict(st)))
+    got = rec.get("settings") if isinstance(rec, dict) else None
     if isinstance(got, dict) and not weights_differ(
         got.get("verifier_weights"), want["verifier_weights"]
     ):
@@ -445,9 +417,13 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
     return got == want
 
 
-def _sample_all(model, tok, st: SelfInstructSettings, stop_ids: set[int], seen: set):
-    """Sample ``st.num`` queries in batches (tqdm), filter as they come. Returns ``(queries, counts, seconds,
-    sampled tokens)``."""
+def _sample_all(
+    verifier, tok, st: SelfInstructSettings, seen: set
+) -> tuple[list, dict, float, int]:
+    """Sample ``st.num`` queries in batches (tqdm) with the verifier loaded here and freed after (before 01 loads its
+    own to answer), filter as they come. Returns ``(queries, counts, seconds, sampled tokens)``."""
+    model, _ = load_verifier(verifier)
+    stop_ids = stop_token_ids(tok)
     prefix_ids = tok(st.prefix, add_special_tokens=False)["input_ids"]
     queries, counts, tokens = [], {"truncated": 0, "too_short": 0, "duplicate": 0, "kept": 0}, 0
     t0 = time.perf_counter()

@@ -106,10 +106,8 @@ class SGLangGenerate:
         matched = fin.get("matched") if isinstance(fin, dict) else None
         stop = None
         if kind == "stop" and ids and (ids[-1] == matched or ids[-1] in self.stop_ids):
-            stop, ids = (
-                ids[-1],
-                ids[:-1],
-            )  # output_ids end with the matched stop token; the template writes it back
+            # output_ids end with the matched stop token; the template writes it back
+            stop, ids = ids[-1], ids[:-1]
         elif kind == "stop" and _token_id(matched) is not None:
             stop = matched  # a server that trims the stop token from output_ids still names it
         # as eagle3.regen.regenerate does: think tags may be special tokens, so split the text with specials kept
@@ -146,14 +144,8 @@ class OpenAIChat:
         # history with the earlier answers' reasoning (SGLang and vLLM take ``reasoning_content`` in
         # assistant messages): the server's template then sees the messages stage 02 renders and
         # decides itself whether earlier reasoning stays (Kimi and Qwen3 drop it)
-        msgs = [
-            {
-                k: v
-                for k, v in m.items()
-                if k in ("role", "content", "tool_calls", "reasoning_content")
-            }
-            for m in messages
-        ]
+        keep = ("role", "content", "tool_calls", "reasoning_content")
+        msgs = [{k: v for k, v in m.items() if k in keep} for m in messages]
         body = {**self.base, "messages": msgs}
         if tools:
             body["tools"] = tools
@@ -189,14 +181,8 @@ class OpenAIChat:
         # the stop id, where the server names it (SGLang ``matched_stop``, vLLM ``stop_reason``; a stop string or
         # vLLM's None for the tokenizer's EOS: not recorded)
         if choice.get("finish_reason") == "stop":
-            ans.stop_token = next(
-                (
-                    _token_id(choice.get(k))
-                    for k in ("matched_stop", "stop_reason")
-                    if _token_id(choice.get(k)) is not None
-                ),
-                None,
-            )
+            named = (_token_id(choice.get(k)) for k in ("matched_stop", "stop_reason"))
+            ans.stop_token = next((t for t in named if t is not None), None)
         if msg.get("tool_calls"):
             ans.tool_calls = msg["tool_calls"]
         return ans
