@@ -97,9 +97,7 @@ def regenerate_via_server(
     """
     sc = pc.server
     opts = opts if opts is not None else ChatOptions()
-    check_reachable = pool is None
-    if pool is None:
-        pool = _endpoint_pool(sc)
+    pool, check_reachable = (pool, False) if pool is not None else (_endpoint_pool(sc), True)
     journal = ResumeLog(partial_path, settings)
     done, todo, st = _plan(conversations, journal)
     if todo and check_reachable:
@@ -120,8 +118,7 @@ def regenerate_via_server(
     )
     t0 = time.perf_counter()
     job.run(todo, done)
-    st["seconds"] = time.perf_counter() - t0
-    st["endpoints"] = pool.summary()
+    st.update(seconds=time.perf_counter() - t0, endpoints=pool.summary())
     if stats is not None:
         stats.update(st)
     return [done[i] for i in range(len(conversations)) if i in done]

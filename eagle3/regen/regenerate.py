@@ -410,27 +410,37 @@ def regenerate(
         if engine == "static":
             _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
         elif run.ready:
-            eng = make_engine(
-                engine,
-                model,
-                tokenizer,
-                max_new_tokens,
-                min(batch_size, len(run.ready)),  # rows: one turn per conversation in flight
-                max_context,
-                engine_options,
-                planned_answers=sum(run.remaining(i) for i in run.ready),  # regen_compile: auto
-            )
+            eng = _engine(run, engine, model, max_new_tokens, batch_size, engine_options)
             stack.callback(eng.close)
             _decode_continuous(run, eng, bar)
-    run.st.update(
-        seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine
+    _record(run, time.perf_counter() - t0, engine, max_context, stats)
+    return run.outputs()
+
+
+def _engine(run: _Run, engine, model, max_new_tokens, batch_size, options):
+    """The continuous ``engine`` (:func:`make_engine`) for ``run``'s ready turns: one row per conversation in flight
+    (at most ``batch_size``), told the answers planned (for ``regen_compile: auto``)."""
+    return make_engine(
+        engine,
+        model,
+        run.tok,
+        max_new_tokens,
+        min(batch_size, len(run.ready)),
+        run.max_context,
+        options,
+        planned_answers=sum(run.remaining(i) for i in run.ready),
     )
+
+
+def _record(run: _Run, seconds: float, engine: str, max_context: Optional[int], stats) -> None:
+    """The run's figures into ``run.st`` and ``stats`` (a dict, or None); one warning naming the conversations left
+    out over ``max_context``."""
+    run.st.update(seconds=seconds, dropped_over_context=len(run.dropped), engine=engine)
+    if stats is not None:
+        stats.update(run.st)
     if run.dropped:
         log.warning(
             "%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
             len(run.dropped),
             max_context,
         )
-    if stats is not None:
-        stats.update(run.st)
-    return run.outputs()

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from eagle3.chat.template import has_tool_calls
-from eagle3.process_group import Dist, init_dist, process_group_scope
+from eagle3.process_group import Dist, init_dist, process_group_scope, rank_cuda_device
 from eagle3.regen.regenerate import regenerate
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
 from eagle3.verifier.load import load_verifier, stop_token_ids
@@ -195,7 +195,9 @@ def regenerate_replicas(
         d.barrier()  # every rank has read the logs before any rank appends
         todo = [i for i, c in enumerate(convs) if i not in finished and not has_tool_calls(c)]
         mine = share(convs, todo, d.rank, d.world)
-        device = f"cuda:{d.local_rank}" if d.world > 1 and torch.cuda.is_available() else None
+        device = (
+            rank_cuda_device(d.local_rank) if d.world > 1 and torch.cuda.is_available() else None
+        )
         model, tok = load_verifier(verifier_cfg, device=device)
         # the verifier's stop set, recorded in the report
         stats["stop_token_ids"] = sorted(stop_token_ids(tok))
