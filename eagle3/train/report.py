@@ -16,7 +16,7 @@ from eagle3.drafter.draft_config import EXPORT_META_FILE
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_files, probe_dirs, read_json
 from eagle3.train.metrics import read_metrics
-from eagle3.train.sim_accept import BEST_FILE, markdown_lines, position_acceptance, step_png
+from eagle3.train.sim_accept import BEST_FILE, markdown_lines, step_png
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
     and the export.
     """
     val = result.get("final_val") or {}
-    acc = position_acceptance(val)
+    acc = [val[k] for k in _acc_keys(val)]
     text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
     if result.get("stop_at") and not result.get("stopped"):
         text += f" (--stop-at {result['stop_at']}: the lr followed the {result['total_steps']}-step schedule)"
@@ -323,10 +323,15 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     atomic_write_files(files)
 
 
+def _acc_keys(val: dict) -> list[str]:
+    """The ``acc_{j}`` keys of a validation row in numeric order of ``j`` (a row may skip positions)."""
+    return sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
+
+
 def _report_markdown(result: dict, args) -> str:
     """``train_report.md`` of :func:`write_report`."""
     val = result.get("final_val") or {}
-    acc = position_acceptance(val)
+    acc_keys = _acc_keys(val)
     lines = [
         "# Training report",
         "",
@@ -367,9 +372,9 @@ def _report_markdown(result: dict, args) -> str:
         lines.append(f"- peak GPU memory (tensors, rank 0): {result['peak_gpu_mem_gib']:.1f} GiB")
     if "loss" in val:
         lines.append(f"- final validation loss: {val['loss']:.4f}")
-    if acc:
+    if acc_keys:
         lines += ["", "| TTT step | val top-1 acc |", "|---:|---:|"]
-        lines += [f"| {i} | {a:.4f} |" for i, a in enumerate(acc)]
+        lines += [f"| {k.split('_')[-1]} | {val[k]:.4f} |" for k in acc_keys]
     if result.get("no_validation"):  # instead of an empty simulated-acceptance table
         lines += ["", f"Validation: {result['no_validation']}."]
     elif result.get("sim_accept"):
