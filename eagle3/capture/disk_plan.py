@@ -107,10 +107,10 @@ def _round_up(n: int | float, block: int) -> int:
     return -(-int(round(n)) // block) * block
 
 
-def _block_size(where: Path) -> int:
-    """The filesystem's allocation unit at ``where`` in bytes (4096 where statvfs cannot tell)."""
+def block_size_of(folder: str | os.PathLike) -> int:
+    """The filesystem's allocation unit (``statvfs().f_frsize``; 4096 when unknown)."""
     try:
-        st = os.statvfs(where)
+        st = os.statvfs(folder)
         return int(st.f_frsize or st.f_bsize or 4096)
     except (OSError, AttributeError):
         return 4096
@@ -158,7 +158,7 @@ def plan_disk(
     overhead, per_token = shard_size_model(hidden_size, encode)
     free_b, where = free if free is not None else free_bytes(root)
     free_b += freed_by_overwrite
-    block = _block_size(where)
+    block = block_size_of(where)
     sizes = [overhead + per_token * n for _, n in pending]
     shard_bytes = sum(int(round(x)) for x in sizes)
     man = _manifest_bytes(pending, pending_idx)

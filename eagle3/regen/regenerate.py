@@ -413,7 +413,7 @@ def regenerate(
             eng = _engine(run, engine, model, max_new_tokens, batch_size, engine_options)
             stack.callback(eng.close)
             _decode_continuous(run, eng, bar)
-    _record(run, time.perf_counter() - t0, engine, max_context, stats)
+    _finish(run, time.perf_counter() - t0, engine, max_context, stats)
     return run.outputs()
 
 
@@ -432,15 +432,17 @@ def _engine(run: _Run, engine, model, max_new_tokens, batch_size, options):
     )
 
 
-def _record(run: _Run, seconds: float, engine: str, max_context: Optional[int], stats) -> None:
-    """The run's figures into ``run.st`` and ``stats`` (a dict, or None); one warning naming the conversations left
-    out over ``max_context``."""
+def _finish(
+    run: "_Run", seconds: float, engine: str, max_context: Optional[int], stats: Optional[dict]
+) -> None:
+    """Record the wall time (seconds), the conversations left out and the engine; warn about those left out;
+    copy the figures into ``stats``."""
     run.st.update(seconds=seconds, dropped_over_context=len(run.dropped), engine=engine)
-    if stats is not None:
-        stats.update(run.st)
     if run.dropped:
         log.warning(
             "%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
             len(run.dropped),
             max_context,
         )
+    if stats is not None:
+        stats.update(run.st)
