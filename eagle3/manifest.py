@@ -213,6 +213,7 @@ class PromptsManifest(Manifest):
     format: str = Field(title="prompts.format")
     sample_size: Optional[int] = Field(title="prompts.sample_size")
     dedupe: bool = Field(title="prompts.dedupe")
+    chain_conversations: Optional[int] = Field(None, title="prompts.chain_conversations")
     system_prompt: Optional[str] = Field(title="prompts.system_prompt")
     regenerate: bool = Field(title="prompts.regenerate")
     limit: Optional[int] = Field(title="--limit")

@@ -27,6 +27,7 @@ def report_markdown(report: dict) -> str:
             "normalised",
             "deduped",
             "sampled_out",
+            "chained_into",
             "self_instruct",
             "self_instruct_deduped",
             "limited_out",
@@ -98,6 +99,7 @@ _RESUMED_LABEL = (
 )
 # Markdown labels of counts whose key alone would not say what they count
 _COUNT_LABELS = {
+    "chained_into": "chained_into (conversations after prompts.chain_conversations)",
     "dropped_over_context": "dropped_over_context (first prompt at the context cap)",
     "failed": "failed (regeneration)",
     "regenerated": "regenerated (conversations)",

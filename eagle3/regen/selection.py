@@ -4,11 +4,13 @@ top, the first ``--limit`` kept. Takes the ``prompts:`` config section (``prompt
 from __future__ import annotations
 
 import logging
+import random
 from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 from eagle3.capture.prompts import require_prompts_file
+from eagle3.chat.template import has_tool_calls
 from eagle3.data.readers import dedupe, read_conversations, sample, short_pool_warning, unique_ids
 from eagle3.errors import UserError
 from eagle3.process_group import is_rank0
@@ -20,11 +22,13 @@ log = logging.getLogger(__name__)
 def select_conversations(
     prompts, think_tags: tuple[str, str], self_instruct_path: Path, limit: Optional[int]
 ) -> tuple[list[dict], Counter, dict]:
-    """Read every source in order, dedupe, sample ``prompts.sample_size`` (seeded), keep ``limit``.
+    """Read every source in order, dedupe, sample ``prompts.sample_size`` (seeded), join them
+    ``prompts.chain_conversations`` at a time (:func:`chain`), keep ``limit``.
 
     Returns:
         ``(conversations, counts, steps)``: the reader's counts and ``normalised``, ``deduped``,
-        ``sampled_out``, ``limited_out``.
+        ``sampled_out``, ``chained_into`` (the conversations after :func:`chain`; only when it joins),
+        ``limited_out``.
 
     Raises:
         UserError: no usable conversation left.
@@ -45,6 +49,8 @@ def select_conversations(
     if short and is_rank0():  # asked for more than there are: say so (once under torchrun)
         log.warning("%s", short)
     convs = sample(convs, pc.sample_size, pc.seed)
+    n_sampled = len(convs)
+    convs = chain(convs, pc.chain_conversations, pc.seed)
     if not convs:
         hint = (
             "; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
@@ -54,13 +60,35 @@ def select_conversations(
         raise UserError(
             f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}"
         )
-    steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_before - len(convs)}
+    steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_before - n_sampled}
+    if pc.chain_conversations > 1:
+        steps["chained_into"] = len(convs)
     # on top of the sampled sources (sample_size counts the sources only)
     if pc.self_instruct is not None:
         convs, steps["self_instruct"], steps["self_instruct_deduped"] = add_self_instruct(
             pc, think_tags, self_instruct_path, convs
         )
     return _apply_limit(convs, limit, steps, pc.self_instruct is not None), counts, steps
+
+
+def chain(conversations: list[dict], k: int, seed: int) -> list[dict]:
+    """``prompts.chain_conversations``: the conversations without tools or tool calls, in a ``random.Random(seed)`` shuffle,
+    joined ``k`` at a time into one chat (the last one may join fewer): each one's messages after the previous
+    one's, a system message kept only where the chat starts, the id the joined ids with ``+`` between. Those with
+    tools stay alone and come first, in their order. ``k == 1``: ``conversations`` as they are."""
+    if k == 1:
+        return conversations
+    alone = [c for c in conversations if c.get("tools") or has_tool_calls(c)]
+    rest = [c for c in conversations if not (c.get("tools") or has_tool_calls(c))]
+    random.Random(seed).shuffle(rest)
+    out = []
+    for i in range(0, len(rest), k):
+        group = rest[i : i + k]
+        msgs = list(group[0]["messages"])
+        for c in group[1:]:
+            msgs += [m for m in c["messages"] if m["role"] != "system"]
+        out.append({"id": "+".join(c["id"] for c in group), "messages": msgs})
+    return alone + out
 
 
 def _read_sources(pc, think_tags: tuple[str, str], counts: Counter) -> list[dict]:

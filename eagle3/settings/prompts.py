@@ -154,10 +154,18 @@ class PromptsConfig(Section):
     )
     seed: StrictInt = Field(
         0,
-        description="seed of the sample_size sampling and of the self-instruct sampling; in 01's "
-        "settings fingerprint only with sample_size or self_instruct (without either it changes nothing)",
+        description="seed of the sample_size sampling, the chain_conversations shuffle and the self-instruct "
+        "sampling; in 01's settings fingerprint only with one of them (without any it changes nothing)",
     )
     dedupe: StrictBool = True
+    chain_conversations: StrictInt = Field(
+        1,
+        ge=1,
+        description="join this many of the sampled conversations (a `seed`ed shuffle, the last chain may be shorter) "
+        "into one multi-turn chat, each one's turns after the previous one's, for long-context samples; "
+        "regeneration answers turns while the prompt stays under max_context_tokens and 02 cuts at "
+        "extract.max_length, so raise both with it; conversations with tools stay alone; 1 = off",
+    )
     system_prompt: Optional[str] = None
     regenerate: StrictBool = Field(
         False, description="replace assistant turns with the verifier's own greedy answers"

@@ -56,7 +56,8 @@ def settings(
     (:func:`source_fingerprint`); the settings are the same either way.
 
     Only settings that change the output count (``eagle3.manifest.PromptsManifest.CONDITIONAL``): ``seed`` with
-    ``prompts.sample_size`` or ``prompts.self_instruct`` (it seeds both samplings; nothing else is random), ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
+    ``prompts.sample_size``, ``prompts.chain_conversations`` above 1 or ``prompts.self_instruct`` (it seeds the
+    three; nothing else is random), ``chain_conversations`` above 1, ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
     ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
     weights (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`, when its folder holds weight files):
     ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
@@ -76,9 +77,11 @@ def settings(
             else {"sources": [source_fingerprint(x, known, seen) for x in pc.source]}
         ),
     }
-    # the sample's and the self-instruct sampling's
-    if pc.sample_size is not None or pc.self_instruct is not None:
-        s["seed"] = pc.seed  # seed; without either it picks nothing
+    if pc.chain_conversations > 1:  # recorded only when on: reports made before the key stay up to date
+        s["chain_conversations"] = pc.chain_conversations
+    # the sample's, the chains' and the self-instruct sampling's seed; without any it picks nothing
+    if pc.sample_size is not None or pc.self_instruct is not None or pc.chain_conversations > 1:
+        s["seed"] = pc.seed
     if any(x.startswith("hf:") for x in sources):  # the split read from a Hugging Face dataset
         s["hf_split"] = pc.hf_split
     if pc.regenerate:
@@ -242,7 +245,7 @@ def build_report(
                 if k.startswith("skipped_")
             },
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
-            **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out,
+            **steps,  # normalised, deduped, sampled_out, [chained_into,] [self_instruct, self_instruct_deduped,] limited_out,
             # [self_instruct_limited_out] (this order)
             **(left_out_by_regeneration(regen_stats) if pc.regenerate else {}),
             "kept": len(convs),
