@@ -77,7 +77,9 @@ def settings(
             else {"sources": [source_fingerprint(x, known, seen) for x in pc.source]}
         ),
     }
-    if pc.chain_conversations > 1:  # recorded only when on: reports made before the key stay up to date
+    if (
+        pc.chain_conversations > 1
+    ):  # recorded only when on: reports made before the key stay up to date
         s["chain_conversations"] = pc.chain_conversations
     # the sample's, the chains' and the self-instruct sampling's seed; without any it picks nothing
     if pc.sample_size is not None or pc.self_instruct is not None or pc.chain_conversations > 1:

@@ -34,7 +34,10 @@ def test_chain_joins_k_at_a_time_and_each_chat_is_its_members_in_id_order():
     convs = _convs(5)
     tool = {
         "id": "t",
-        "messages": [U("weather?"), {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}],
+        "messages": [
+            U("weather?"),
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
+        ],
     }
     defs = {"id": "d", "messages": [U("hi"), A("yo")], "tools": [{"type": "function"}]}
     out = chain(convs[:2] + [tool] + convs[2:] + [defs], 2, seed=3)
@@ -80,7 +83,9 @@ def _source(tmp_path, n):
     return src
 
 
-def test_01_writes_the_chains_counts_them_and_remakes_them_when_the_setting_changes(tmp_path, capsys):
+def test_01_writes_the_chains_counts_them_and_remakes_them_when_the_setting_changes(
+    tmp_path, capsys
+):
     src = _source(tmp_path, 7)
     cfg = load_config(_config(tmp_path, src, chain_conversations=3, seed=4))
     assert run(cfg) == 0
