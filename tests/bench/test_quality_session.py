@@ -761,6 +761,41 @@ def test_the_next_leases_plan_passes_the_settings_check(tmp_path):
     assert len(names) >= 2 and r.stdout.splitlines() == [f"{n} full" for n in names]
 
 
+def _env(path) -> dict:
+    """The ``KEY=value`` lines of a plan file as bash reads them (quotes removed)."""
+    r = subprocess.run(
+        ["bash", "-c", f"set -a; . {path}; set +a; env -0"],
+        capture_output=True,
+        timeout=30,
+        env={"PATH": os.environ["PATH"]},
+        check=True,
+    )
+    return dict(x.split("=", 1) for x in r.stdout.decode().split("\0") if "=" in x)
+
+
+def test_the_long_context_plans_differ_only_in_the_samples_and_pass_the_settings_check(tmp_path):
+    """bench/plans/long-context-{short,long}.env: each passes check_settings on a fresh W; the two differ only in
+    their W, recipe name and the RUN_SETS that make long samples (chain_conversations, the context cap, max_length,
+    the regeneration rows that fit): same conversations, recipe, steps and 05."""
+    plans = {e: ROOT / f"bench/plans/long-context-{e}.env" for e in ("short", "long")}
+    for e, path in plans.items():
+        script = f"set -a; . {path}; W={tmp_path / e}; set +a\n{_functions('check_settings')}\ncheck_settings"
+        r = subprocess.run(
+            ["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+            env={"PATH": os.environ["PATH"]},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    short, long = (_env(p) for p in plans.values())
+    keys = {k for k in short.keys() | long.keys() if k not in os.environ or k in ("W",)}
+    differ = {k for k in keys if short.get(k) != long.get(k)}
+    assert differ == {"W", "RECIPES", "BENCH_FULL", "RUN_SETS"}
+    assert short["RECIPES"].replace("short:", "long:") == long["RECIPES"]
+    sets = dict(x.split("=", 1) for x in long["RUN_SETS"].split())
+    assert int(sets["prompts.chain_conversations"]) > 1
+    assert int(sets["prompts.max_context_tokens"]) < int(sets["extract.max_length"]) <= 8192
+    assert "benchmark.context_lengths=" in short["BENCH_SETS"]
+
+
 def test_wait_returns_when_the_driver_is_gone(tmp_path):
     """`wait N` waited for ALL.done only: a driver that died (stopped, killed, an error) without it cost the whole N
     seconds of device time. It now returns once the driver `start` launched is gone, says so in one line, and packs."""
