@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_prompts import _config
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
@@ -66,16 +67,6 @@ def test_chain_is_seeded_and_one_is_the_identity():
     assert len(whole["messages"]) == 1 + 2 * 12
 
 
-def _config(tmp_path, source, **prompts):
-    extra = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in prompts.items())
-    f = tmp_path / "run.yaml"
-    f.write_text(
-        f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier:\n  path: {tmp_path}\n"
-        f"prompts:\n  source: {source}\n  format: messages\n{extra}"
-    )
-    return f
-
-
 def _source(tmp_path, n):
     src = tmp_path / "c.jsonl"
     rows = [{"messages": [U(f"question {i}"), A(f"answer {i}")]} for i in range(n)]
@@ -87,7 +78,7 @@ def test_01_writes_the_chains_counts_them_and_remakes_them_when_the_setting_chan
     tmp_path, capsys
 ):
     src = _source(tmp_path, 7)
-    cfg = load_config(_config(tmp_path, src, chain_conversations=3, seed=4))
+    cfg = load_config(_config(tmp_path, src, format="messages", chain_conversations=3, seed=4))
     assert run(cfg) == 0
     rows = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
     assert [len(r["id"].split("+")) for r in rows] == [3, 3, 1]
@@ -104,7 +95,10 @@ def test_01_writes_the_chains_counts_them_and_remakes_them_when_the_setting_chan
     # another seed or k is another file; back to 1 (off) is the unchained file, without either key
     for sets, n in ((["prompts.seed=5"], 3), (["prompts.chain_conversations=2"], 4), ([], 7)):
         cfg2 = load_config(
-            _config(tmp_path, src, **({"chain_conversations": 3} if sets else {})), sets
+            _config(
+                tmp_path, src, format="messages", **({"chain_conversations": 3} if sets else {})
+            ),
+            sets,
         )
         assert run(cfg2) == 0 and "up to date" not in capsys.readouterr().out
         assert len(cfg2.prompts_path.read_text().splitlines()) == n
@@ -114,7 +108,9 @@ def test_01_writes_the_chains_counts_them_and_remakes_them_when_the_setting_chan
 
 def test_chain_conversations_below_one_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError) as e:
-        load_config(_config(tmp_path, _source(tmp_path, 2), chain_conversations=0))
+        load_config(
+            _config(tmp_path, _source(tmp_path, 2), format="messages", chain_conversations=0)
+        )
     assert "prompts.chain_conversations" in str(e.value) and "\n" not in str(e.value)
 
 
