@@ -72,14 +72,15 @@ def select_conversations(
 
 
 def chain(conversations: list[dict], k: int, seed: int) -> list[dict]:
-    """``prompts.chain_conversations``: the conversations without tools or tool calls, in a ``random.Random(seed)`` shuffle,
-    joined ``k`` at a time into one chat (the last one may join fewer): each one's messages after the previous
-    one's, a system message kept only where the chat starts, the id the joined ids with ``+`` between. Those with
-    tools stay alone and come first, in their order. ``k == 1``: ``conversations`` as they are."""
+    """``prompts.chain_conversations``: the conversations without tools or tool calls, in a ``random.Random(seed)``
+    shuffle, joined ``k`` at a time into one chat (the last one may join fewer): each one's messages after the
+    previous one's, a system message kept only where the chat starts, the id the joined ids with ``+`` between.
+    Those with tools stay alone and come first, in their order. ``k == 1``: ``conversations`` as they are."""
     if k == 1:
         return conversations
-    alone = [c for c in conversations if c.get("tools") or has_tool_calls(c)]
-    rest = [c for c in conversations if not (c.get("tools") or has_tool_calls(c))]
+    alone, rest = [], []
+    for c in conversations:
+        (alone if c.get("tools") or has_tool_calls(c) else rest).append(c)
     random.Random(seed).shuffle(rest)
     out = []
     for i in range(0, len(rest), k):

@@ -57,7 +57,8 @@ def settings(
 
     Only settings that change the output count (``eagle3.manifest.PromptsManifest.CONDITIONAL``): ``seed`` with
     ``prompts.sample_size``, ``prompts.chain_conversations`` above 1 or ``prompts.self_instruct`` (it seeds the
-    three; nothing else is random), ``chain_conversations`` above 1, ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
+    three; nothing else is random), ``chain_conversations`` itself only above 1, ``hf_split`` with an ``hf:`` source,
+    ``top_p`` with a server
     ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
     weights (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`, when its folder holds weight files):
     ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
@@ -77,9 +78,8 @@ def settings(
             else {"sources": [source_fingerprint(x, known, seen) for x in pc.source]}
         ),
     }
-    if (
-        pc.chain_conversations > 1
-    ):  # recorded only when on: reports made before the key stay up to date
+    # recorded only when on: reports made before the key stay up to date
+    if pc.chain_conversations > 1:
         s["chain_conversations"] = pc.chain_conversations
     # the sample's, the chains' and the self-instruct sampling's seed; without any it picks nothing
     if pc.sample_size is not None or pc.self_instruct is not None or pc.chain_conversations > 1:

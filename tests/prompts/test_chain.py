@@ -6,21 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_prompts import _config
+from test_prompts import A, U, _config
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.regen.selection import chain
 from eagle3.stages.prepare_prompts import run
 from eagle3.stages.prompts_manifest import report_path
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
 
 
 def S(c):
