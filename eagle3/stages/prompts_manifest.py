@@ -58,10 +58,10 @@ def settings(
     Only settings that change the output count (``eagle3.manifest.PromptsManifest.CONDITIONAL``): ``seed`` with
     ``prompts.sample_size``, ``prompts.chain_conversations`` above 1 or ``prompts.self_instruct`` (it seeds the
     three; nothing else is random), ``chain_conversations`` itself only above 1, ``hf_split`` with an ``hf:`` source,
-    ``top_p`` with a server
-    ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
-    weights (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`, when its folder holds weight files):
-    ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
+    ``top_p`` with a server ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also
+    records the verifier's weights (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`, when its
+    folder holds weight files): ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes
+    the answers.
     """
     pc = cfg.prompts
     sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
